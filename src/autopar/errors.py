@@ -1,0 +1,57 @@
+"""Errors and warnings users see. Every message names what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+import warnings
+
+
+class AutoparError(Exception):
+    """Base class of autopar's errors."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be captured (wrong inputs, not a Module, ...)."""
+
+
+class PlanError(AutoparError):
+    """A plan failed verification or no plan satisfies the constraints (e.g. memory budget)."""
+
+
+class StoreWarning(UserWarning):
+    """The profile store was unusable (corrupted, truncated, foreign version); it is re-measured."""
+
+
+class FallbackWarning(UserWarning):
+    """Part of the model runs eagerly instead of through autopar's plan."""
+
+
+def node_source(node) -> str:
+    """The user's source line of an FX node, as ``file:line in fn`` (or ``"unknown"``).
+
+    Uses ``node.meta["stack_trace"]`` (set by Dynamo/AOTAutograd); its last frame is the
+    user's code that produced the node.
+    """
+    trace = (getattr(node, "meta", None) or {}).get("stack_trace") or ""
+    frames = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return "unknown"
+    last = frames[-1]  # 'File "x.py", line 12, in forward'
+    try:
+        file_part, line_part, fn_part = (p.strip() for p in last.split(",", 2))
+        return f"{file_part[6:-1]}:{line_part.split()[1]} in {fn_part[3:]}"
+    except (ValueError, IndexError):
+        return last
+
+
+def describe_node(node) -> str:
+    """``node.format_node()`` plus the user's source line, for error messages."""
+    return f"{node.format_node()}  (from {node_source(node)})"
+
+
+def warn_fallback(what: str, node=None, fix: str = "") -> None:
+    """One clear warning that something runs eagerly, naming the node and its source line."""
+    where = f" at node {describe_node(node)}" if node is not None else ""
+    msg = f"autopar: {what}{where}; this part runs eagerly (results stay correct)."
+    if fix:
+        msg += f" {fix}"
+    warnings.warn(msg, FallbackWarning, stacklevel=3)
