@@ -1,0 +1,352 @@
+"""The public API: composes capture -> profile -> plan -> codegen -> runtime.
+
+Example::
+
+    >>> import torch, autopar
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> cmodel = autopar.compile(model, streams=2)      # compiles lazily, on the first call
+    >>> loss = cmodel(torch.randn(4, 8)).sum()
+    >>> loss.backward()                                 # gradients land in model's Parameters
+    >>> "def " in autopar.explain(cmodel)               # the generated program(s) that ran
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.capture import Capture, GraphRecord, dynamo_compile
+from autopar.errors import CaptureError
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What ``autopar.compile`` was asked for. Every default is chosen for the machine."""
+
+    streams: int | None = None  # concurrency to plan for; None: the machine's core count
+    policy: str = "auto"  # partitioner: auto | serial | round_robin | heft | nimble
+    store: Any = None  # a ProfileStore, a path (dir or .json), or None for ./profiles
+    memory_budget: int | None = None  # bytes; the planner trades concurrency for memory
+    rnn: str = "unroll"  # nn.LSTM/GRU/cells: "unroll" into custom cell ops, or "eager"
+    debug_dir: str | None = None  # default: $AUTOPAR_DEBUG_DIR
+    warmup: int = 2  # profiler warm-up runs per operator signature
+    repeats: int = 5  # profiler timed runs per operator signature
+
+    def __post_init__(self):
+        if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
+            raise ValueError(f"streams must be a positive int or None, got {self.streams!r}")
+        policies = ("auto", "serial", "round_robin", "heft", "nimble")
+        if self.policy not in policies:
+            raise ValueError(f"policy must be one of {policies}, got {self.policy!r}")
+        if self.rnn not in ("unroll", "eager"):
+            raise ValueError(f"rnn must be 'unroll' or 'eager', got {self.rnn!r}")
+
+
+class CompiledModule(nn.Module):
+    """The user's module, compiled lazily on first call. Same call signature, the very same
+    Parameters, and the same ``state_dict`` keys (no ``_orig_mod.`` prefix)."""
+
+    def __init__(self, model: nn.Module, options: CompileOptions):
+        super().__init__()
+        self._orig_mod = model
+        self._autopar_options = options
+        self._autopar_pipeline = Pipeline(options)
+        # Not registered as a submodule: it wraps the same model and would show up twice.
+        object.__setattr__(
+            self, "_autopar_compiled", dynamo_compile(model, self._autopar_pipeline.capture)
+        )
+        self._autopar_signature = _signature_of(model)
+        self._autopar_lock = threading.Lock()
+
+    # -- delegation: the compiled module looks like the user's module --------------------
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._orig_mod, name)
+
+    def state_dict(self, *args, **kwargs):
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._orig_mod.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        return self._orig_mod.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        return self._orig_mod.named_buffers(prefix, recurse, remove_duplicate)
+
+    def __repr__(self) -> str:
+        return f"autopar.compile({self._orig_mod!r})"
+
+    # -- the call ------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        _check_inputs(self._orig_mod, self._autopar_signature, args, kwargs)
+        return self._autopar_pipeline.call(self._orig_mod, self._autopar_compiled, args, kwargs)
+
+
+class Pipeline:
+    """Capture, then for each graph on its first real call: profile -> plan -> codegen."""
+
+    def __init__(self, options: CompileOptions):
+        self.options = options
+        self.capture = Capture(prepare=self.prepare)
+        self._store = None
+        self.compile_seconds: float | None = None  # first call: capture + profile + plan
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        return self.capture.records
+
+    @property
+    def store(self):
+        if self._store is None:
+            from autopar.store import ProfileStore
+
+            s = self.options.store
+            self._store = s if isinstance(s, ProfileStore) else ProfileStore(s)
+        return self._store
+
+    def call(self, model: nn.Module, compiled, args, kwargs):
+        first = self.compile_seconds is None
+        t0 = time.perf_counter()
+        if self.options.rnn == "unroll":
+            from autopar.rnn import rewrite_rnns
+
+            with rewrite_rnns(model):
+                out = compiled(*args, **kwargs)
+        else:
+            out = compiled(*args, **kwargs)
+        if first:
+            self.compile_seconds = time.perf_counter() - t0
+        return out
+
+    def prepare(self, record: GraphRecord, args: list):
+        """Profile (running the graph once for real), plan, generate; return (out, runner)."""
+        from autopar.codegen import generate
+        from autopar.partition import make_plan
+        from autopar.profile import profile_graph
+
+        opts = self.options
+        t0 = time.perf_counter()
+        out, table = profile_graph(
+            record.gm,
+            args,
+            tag=record.tag,
+            phase=record.phase,
+            store=self.store,
+            warmup=opts.warmup,
+            repeats=opts.repeats,
+        )
+        t1 = time.perf_counter()
+        plan = make_plan(
+            table,
+            streams=opts.streams,
+            policy=opts.policy,
+            memory_budget=opts.memory_budget,
+            graph_id=record.tag,
+        )
+        t2 = time.perf_counter()
+        program = generate(
+            record.gm,
+            plan,
+            record.tag,
+            provenance={"profile_store": str(getattr(self.store, "path", None))},
+        )
+        t3 = time.perf_counter()
+        record.table, record.plan, record.program = table, plan, program
+        record.timings.update(profile=t1 - t0, plan=t2 - t1, codegen=t3 - t2)
+        _write_debug(record, opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR"))
+        fn = program.fn
+        return out, (lambda a: fn(*a))
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    model: nn.Module,
+    *,
+    streams: int | None = None,
+    policy: str = "auto",
+    store: Any = None,
+    memory_budget: int | None = None,
+    rnn: str = "unroll",
+    debug_dir: str | None = None,
+) -> CompiledModule:
+    """Compile ``model`` for parallel training. Lazy: the work happens on the first call.
+
+    Example::
+
+        cmodel = autopar.compile(model, streams=2)
+        loss = loss_fn(cmodel(x), y); loss.backward(); opt.step()   # opt built on model
+
+    Args:
+        streams: concurrency to plan for (CPU worker streams or CUDA streams);
+            default: the machine's intra-op thread count.
+        policy: the partitioner; ``"auto"`` takes the one the simulator predicts fastest.
+        store: the profile store (a ``ProfileStore``, a directory, or a ``.json`` file);
+            default ``./profiles`` or ``$AUTOPAR_PROFILE_DIR``.
+        memory_budget: bytes; the planner gives up concurrency to stay under it.
+        rnn: ``"unroll"`` rewrites nn.LSTM/GRU and cells into per-step custom cell ops
+            (sharing the same Parameters); ``"eager"`` leaves them to Dynamo.
+        debug_dir: write graphs, profile, plan.json, program and Gantt chart here
+            (default ``$AUTOPAR_DEBUG_DIR``).
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(
+            f"autopar.compile expects a torch.nn.Module, got {type(model).__name__}. "
+            "Wrap a function in an nn.Module (def forward(self, x): return fn(x)) first."
+        )
+    if isinstance(model, CompiledModule):
+        return model
+    options = CompileOptions(streams, policy, store, memory_budget, rnn, debug_dir)
+    return CompiledModule(model, options)
+
+
+def explain(cmodel: CompiledModule) -> str:
+    """The exact source of the program(s) that run, one per captured graph.
+
+    Call after the first forward (and backward, for the backward program)."""
+    if not isinstance(cmodel, CompiledModule):
+        raise TypeError(f"explain() expects the result of autopar.compile, got {type(cmodel)}")
+    records = cmodel._autopar_pipeline.records
+    if not records:
+        return "# nothing compiled yet: call the model once (and .backward()) first\n"
+    parts = []
+    for r in records:
+        if r.program is not None:
+            parts.append(r.program.source)
+        else:
+            why = r.fallback or "not run yet"
+            parts.append(f"# {r.tag}: runs the captured graph as it is ({why})\n{r.gm.code}")
+    return "\n\n".join(parts)
+
+
+@dataclass
+class _Run:
+    outputs: Any
+    records: list[GraphRecord] = field(default_factory=list)
+
+
+def _run_once(model: nn.Module, inputs: tuple, **options) -> tuple[CompiledModule, _Run]:
+    """Compile a copy-free wrapper, run forward and backward once (grads restored)."""
+    cmodel = compile(model, **options)
+    saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
+    try:
+        out = cmodel(*inputs)
+        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+    return cmodel, _Run(out, list(cmodel._autopar_pipeline.records))
+
+
+def profile(model: nn.Module, *example_inputs, **options):
+    """Profile every forward and backward operator: a pandas DataFrame, one row per node.
+
+    Example::
+
+        table = autopar.profile(model, torch.randn(16, 32))
+        table.sort_values("time_s", ascending=False).head()
+
+    Columns are documented in docs/architecture.md ("The profile table")."""
+    import pandas as pd
+
+    _, run = _run_once(model, example_inputs, **options)
+    tables = [r.table for r in run.records if r.table is not None]
+    return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
+
+
+def plan(model: nn.Module, *example_inputs, streams: int | None = None, **options):
+    """The model's Plan (forward then backward graphs) for ``streams`` streams.
+
+    Example::
+
+        p = autopar.plan(model, torch.randn(16, 32), streams=2)
+        print(p.summary()); p.gantt("plan.png")"""
+    from autopar.plan import Plan
+
+    _, run = _run_once(model, example_inputs, streams=streams, **options)
+    plans = [r.plan for r in run.records if r.plan is not None]
+    if not plans:
+        raise CaptureError("no graph of this model could be planned (see the warnings above)")
+    return Plan.combine(plans) if len(plans) > 1 else plans[0]
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _flatten(x):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flatten(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+def _signature_of(model: nn.Module):
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_inputs(model: nn.Module, sig, args, kwargs) -> None:
+    """Clear errors for the wrong input count or dtype, before tracing makes them obscure."""
+    if sig is not None:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise CaptureError(
+                f"{type(model).__name__}.forward{sig} cannot take these inputs "
+                f"({len(args)} positional, keywords {sorted(kwargs)}): {exc}"
+            ) from None
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is None:
+        return
+    for i, a in enumerate(args):
+        if (
+            isinstance(a, torch.Tensor)
+            and a.is_floating_point()
+            and a.dtype != param.dtype
+            and not torch.is_autocast_enabled()
+        ):
+            raise CaptureError(
+                f"input {i} has dtype {a.dtype} but {type(model).__name__}'s parameters are "
+                f"{param.dtype}; convert the input (x.to({param.dtype})) or the model "
+                f"(model.to({a.dtype})) so they match"
+            )
+
+
+def _write_debug(record: GraphRecord, debug_dir: str | None) -> None:
+    """AUTOPAR_DEBUG_DIR: the graph, the profile, plan.json, the program and a Gantt PNG."""
+    if not debug_dir:
+        return
+    try:
+        d = os.path.join(debug_dir, record.tag)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "graph.py"), "w") as f:
+            f.write(record.gm.code)
+        with open(os.path.join(d, "graph.txt"), "w") as f:
+            f.write(str(record.gm.graph))
+        if record.table is not None:
+            record.table.to_csv(os.path.join(d, "profile.csv"), index=False)
+        if record.plan is not None:
+            with open(os.path.join(d, "plan.json"), "w") as f:
+                f.write(record.plan.to_json(indent=1))
+            record.plan.gantt(os.path.join(d, "gantt.png"), title=record.tag)
+        if record.program is not None:
+            record.program.save(os.path.join(d, "program.py"))
+    except Exception as exc:  # noqa: BLE001 - debug output must never break training
+        warnings.warn(f"autopar: could not write debug output to {debug_dir}: {exc}", stacklevel=2)

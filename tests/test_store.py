@@ -1,0 +1,180 @@
+"""The profile store: round trip, atomic merge, and every kind of bad file handled once."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+
+from autopar.errors import StoreWarning
+from autopar.store import (
+    STORE_FORMAT,
+    STORE_VERSION,
+    ProfileStore,
+    default_file_name,
+    machine_fingerprint,
+    torch_version,
+    validate_record,
+)
+
+REC = {"target": "aten.mm.default", "time_s": 1.5e-5, "time_1t_s": 2.5e-5, "flops": 1024}
+
+
+def _file(tmp_path, ops=None, **header):
+    doc = {
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION,
+        "machine": machine_fingerprint(),
+        "torch": torch_version(),
+        "ops": {"a" * 16: REC} if ops is None else ops,
+        "calibration": {},
+    }
+    doc.update(header)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_round_trip_directory_mode(tmp_path):
+    store = ProfileStore(tmp_path / "profiles")
+    assert store.path == str(tmp_path / "profiles" / default_file_name())
+    assert not os.path.exists(store.path)  # nothing is written before flush()
+    store.put("0123456789abcdef", REC)
+    store.put_calibration("cpu_matmul", {"gflops": 12.5, "points": [[1, 2.0e-6]]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean round trip warns about nothing
+        store.flush()
+        again = ProfileStore(tmp_path / "profiles")
+    assert len(again) == 1 and "0123456789abcdef" in again
+    assert again.get("0123456789abcdef") == REC
+    assert again.get_calibration("cpu_matmul") == {"gflops": 12.5, "points": [[1, 2.0e-6]]}
+    assert again.get("missing") is None and again.get_calibration("missing") is None
+    doc = json.loads(open(store.path).read())
+    assert doc["format"] == STORE_FORMAT and doc["version"] == STORE_VERSION
+    assert doc["machine"] == machine_fingerprint() and doc["torch"] == torch_version()
+    assert [p.name for p in (tmp_path / "profiles").iterdir()] == [os.path.basename(store.path)]
+
+
+def test_json_file_mode_and_env_default(tmp_path, monkeypatch):
+    assert ProfileStore(tmp_path / "mine.json").path == str(tmp_path / "mine.json")
+    monkeypatch.setenv("AUTOPAR_PROFILE_DIR", str(tmp_path / "envdir"))
+    assert ProfileStore().path.startswith(str(tmp_path / "envdir"))
+
+
+def test_memory_store_never_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = ProfileStore.memory()
+    store.put("s", REC)
+    store.flush()
+    assert store.path is None and store.get("s") == REC and list(tmp_path.iterdir()) == []
+
+
+def test_get_returns_a_copy():
+    store = ProfileStore.memory()
+    store.put("s", REC)
+    store.get("s")["time_s"] = 99.0
+    assert store.get("s")["time_s"] == REC["time_s"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"time_s": -1.0}, {"time_s": float("nan")}, {"time_s": float("inf")}, {"flops": 3},
+     {"time_s": 1.0, "flops": -5}, {"time_s": 1.0, "bytes_read": object()}, [1.0]],
+)  # fmt: skip
+def test_put_rejects_invalid_records(bad):
+    store = ProfileStore.memory()
+    with pytest.raises(ValueError, match="refusing to store"):
+        store.put("s", bad)
+    assert len(store) == 0
+
+
+def test_calibration_may_hold_negative_intercepts():
+    assert validate_record({"intercept": -1e-6, "slope": 2.0}, op=False) is None
+    assert validate_record({"launch_s": -1e-6}, op=False) is not None
+
+
+def _bad_files():
+    good = {
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION,
+        "machine": machine_fingerprint(),
+        "torch": torch_version(),
+        "ops": {"a" * 16: REC},
+        "calibration": {},
+    }
+    text = json.dumps(good)
+    return {
+        "garbage": ("\x00\x01 not json at all", "not valid JSON"),
+        "truncated": (text[: len(text) // 2], "not valid JSON"),
+        "empty": ("", "empty"),
+        "wrong_format": (json.dumps({**good, "format": "something-else"}), "not an autopar"),
+        "list": ("[1, 2, 3]", "not an autopar"),
+        "foreign_version": (json.dumps({**good, "version": 99}), "format version 99"),
+        "foreign_machine": (
+            json.dumps({**good, "machine": {**good["machine"], "cpu": "Other CPU 9000"}}),
+            "another machine",
+        ),
+        "foreign_torch": (json.dumps({**good, "torch": "1.0.0"}), "torch '1.0.0'"),
+        "no_ops": (json.dumps({k: v for k, v in good.items() if k != "ops"}), "no 'ops'"),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_bad_files()))
+def test_bad_file_warns_once_moves_aside_and_recovers(tmp_path, kind):
+    text, why = _bad_files()[kind]
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.warns(StoreWarning) as caught:
+        store = ProfileStore(path)
+        store.put("b" * 16, REC)
+        store.flush()  # the new file is written without a second warning
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    msg = str(caught[0].message)
+    assert str(path) in msg and why in msg and "re-measured" in msg and ".corrupt" in msg
+    assert (tmp_path / "p.json.corrupt").read_text() == text  # kept for inspection
+    assert len(store) == 1 and store.get("a" * 16) is None  # nothing of it was trusted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ProfileStore(path).get("b" * 16) == REC
+
+
+def test_invalid_entries_are_dropped_and_valid_ones_kept(tmp_path):
+    ops = {"good": REC, "neg": {**REC, "time_s": -2.0}, "nan": {**REC, "time_1t_s": "x"}}
+    path = _file(tmp_path, ops=ops)
+    text = path.read_text().replace('"x"', "NaN")  # Python's json reads NaN: it must not pass
+    path.write_text(text)
+    with pytest.warns(StoreWarning, match="2 invalid entries") as caught:
+        store = ProfileStore(path)
+    assert len(caught) == 1
+    assert store.get("good") == REC and "neg" not in store and "nan" not in store
+
+
+def test_flush_merges_with_concurrent_writer(tmp_path):
+    path = tmp_path / "shared.json"
+    a, b = ProfileStore(path), ProfileStore(path)  # both loaded an empty store
+    a.put("from_a", REC)
+    a.put("both", {**REC, "time_s": 1.0})
+    a.flush()
+    b.put("from_b", REC)
+    b.put("both", {**REC, "time_s": 2.0})
+    b.flush()  # must keep a's entries, and its own value wins on a conflict
+    merged = ProfileStore(path)
+    assert {"from_a", "from_b", "both"} <= set(merged)
+    assert merged.get("both")["time_s"] == 2.0
+    assert b.get("from_a") == REC  # the merge is visible in memory too
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]  # temp files cleaned up
+
+
+def test_unwritable_location_warns_once_and_keeps_memory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a directory should be")
+    store = ProfileStore(blocker / "sub" / "p.json")
+    store.put("s", REC)
+    with pytest.warns(StoreWarning, match="could not be written") as caught:
+        store.flush()
+        store.put("t", REC)
+        store.flush()  # still failing: no second warning
+    assert len(caught) == 1
+    assert store.get("s") == REC and store.get("t") == REC
