@@ -155,6 +155,7 @@ class Pipeline:
             policy=opts.policy,
             memory_budget=opts.memory_budget,
             graph_id=record.tag,
+            store=self.store,
         )
         t2 = time.perf_counter()
         program = generate(

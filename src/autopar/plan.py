@@ -37,7 +37,7 @@ class Stream:
 
 @dataclass(frozen=True)
 class Sync:
-    """A cross-stream dependency: ``dst`` (on ``dst_stream``) waits for ``src`` (on ``src_stream``)."""
+    """A cross-stream dependency: ``dst`` on ``dst_stream`` waits for ``src`` on ``src_stream``."""
 
     src: str
     dst: str
@@ -117,6 +117,78 @@ class Plan:
         d["order"] = tuple(d["order"])
         d["notes"] = tuple(d["notes"])
         return cls(**d)
+
+    # -- combining per-graph plans ----------------------------------------------------------
+    @classmethod
+    def combine(cls, plans, graph_id: str | None = None) -> Plan:
+        """One plan for several graphs that run one after another (e.g. forward then
+        backward): orders are concatenated and each timeline is offset by the predicted
+        times of the graphs before it; times add up, peak memory is the largest peak.
+        Streams equal in (id, device, threads) are shared; a stream id reused with other
+        settings gets a fresh id.
+
+        Example::
+
+            >>> a = Plan("fw", "serial", (Stream(0, "cpu", 2),), (("fw/x", 0),), ("fw/x",),
+            ...          (), predicted_step_time=1.0, timeline=(("fw/x", 0.0, 1.0, 1.0),))
+            >>> b = Plan("bw", "heft", (Stream(0, "cpu", 1),), (("bw/y", 0),), ("bw/y",),
+            ...          (), predicted_step_time=2.0, timeline=(("bw/y", 0.0, 2.0, 2.0),))
+            >>> c = Plan.combine([a, b])
+            >>> c.policy, [s.id for s in c.streams], c.timeline[1]
+            ('serial+heft', [0, 1], ('bw/y', 1.0, 3.0, 2.0))
+        """
+        plans = list(plans)
+        if not plans:
+            raise ValueError("Plan.combine needs at least one plan")
+        if len(plans) == 1 and graph_id is None:
+            return plans[0]
+        streams: dict[tuple[str, int, int], Stream] = {}  # (device, threads, id) -> stream
+        used_ids: set[int] = set()
+        placements, order, syncs, timeline = [], [], [], []
+        node_info, edges, provenance, notes = [], [], [], []
+        offset = 0.0
+        for p in plans:
+            remap: dict[int, int] = {}
+            for s in p.streams:
+                own = streams.get((s.device, s.threads, s.id))
+                if own is None:
+                    sid = s.id if s.id not in used_ids else max(used_ids) + 1
+                    own = streams[(s.device, s.threads, s.id)] = Stream(sid, s.device, s.threads)
+                    used_ids.add(sid)
+                remap[s.id] = own.id
+            placements += [(n, remap[sid]) for n, sid in p.placements]
+            order += p.order
+            syncs += [
+                dataclasses.replace(
+                    s, src_stream=remap[s.src_stream], dst_stream=remap[s.dst_stream]
+                )
+                for s in p.syncs
+            ]
+            timeline += [(n, a + offset, b + offset, c) for n, a, b, c in p.timeline]
+            node_info += p.node_info
+            edges += p.edges
+            provenance += [(f"{p.graph_id}:{k}", v) for k, v in p.provenance]
+            notes += [f"{p.graph_id}: {x}" for x in p.notes]
+            offset += p.predicted_step_time
+        budgets = [p.memory_budget for p in plans if p.memory_budget is not None]
+        return cls(
+            graph_id=graph_id or "+".join(p.graph_id for p in plans),
+            policy="+".join(dict.fromkeys(p.policy for p in plans)),
+            streams=tuple(sorted(streams.values(), key=lambda s: s.id)),
+            placements=tuple(sorted(placements)),
+            order=tuple(order),
+            syncs=tuple(syncs),
+            predicted_step_time=offset,
+            serial_time=sum(p.serial_time for p in plans),
+            lower_bound=sum(p.lower_bound for p in plans),
+            predicted_peak_memory=max(p.predicted_peak_memory for p in plans),
+            memory_budget=min(budgets) if budgets else None,
+            timeline=tuple(timeline),
+            node_info=tuple(node_info),
+            edges=tuple(edges),
+            provenance=tuple(provenance),
+            notes=tuple(notes),
+        )
 
     # Inspection helpers live in autopar.inspect so this module stays dependency-free.
     def to_dataframe(self):
