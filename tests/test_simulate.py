@@ -122,3 +122,26 @@ def test_zero_node_graph():
     g.add_node("g0.fw/x", **make_node_attrs(0.0, op="placeholder"))
     r = simulate(g, {"g0.fw/x": 0}, ["g0.fw/x"], ONE, M)
     assert r.makespan == 0.0
+
+
+def test_gil_serialises_python_dispatch_of_concurrent_streams():
+    """Two independent chains of ops: without a GIL share they overlap fully; when every
+    op is all dispatch (gil_s >= cost) the streams gain nothing over one stream."""
+    import dataclasses
+
+    from autopar.taskgraph import fork_join_graph
+
+    g = fork_join_graph([[1e-3] * 4, [1e-3] * 4])
+    order = list(nx.topological_sort(g))
+    second = {f"g0.fw/n{i}" for i in range(5, 9)}  # the second branch
+    place = {n: (1 if n in second else 0) for n in order}
+    streams = [Stream(0, "cpu", 1), Stream(1, "cpu", 1)]
+    m0 = dataclasses.replace(MachineModel.default_cpu(), sync_cost_s=0.0)
+    free = simulate(g, place, order, streams, m0).makespan
+    locked = simulate(g, place, order, streams, dataclasses.replace(m0, gil_s=1.0)).makespan
+    half = simulate(g, place, order, streams, dataclasses.replace(m0, gil_s=0.5e-3)).makespan
+    assert free == pytest.approx(4e-3)
+    assert locked == pytest.approx(8e-3)
+    assert free < half < locked
+    one_stream = simulate(g, dict.fromkeys(order, 0), order, streams[:1], m0).makespan
+    assert one_stream == pytest.approx(8e-3)

@@ -47,6 +47,9 @@ class MachineModel:
     ``peak_flops_1t`` and ``mem_bandwidth_Bps`` are the single-thread roofline used when
     an op was not timed; ``parallel_overhead_s`` is the fork/join cost of an intra-op
     parallel region (a small op gets slower with threads by about this much).
+    ``gil_s`` is the part of each op's time that holds Python's GIL when the generated
+    program runs it on a worker stream (argument handling, the op call's Python frames):
+    concurrent streams serialise on it (0 = not modelled, the default for synthetic tests).
     """
 
     cores: int = 2
@@ -59,6 +62,7 @@ class MachineModel:
     peak_flops_1t: float = 50e9
     mem_bandwidth_Bps: float = 10e9
     parallel_overhead_s: float = 2e-6
+    gil_s: float = 0.0
     source: str = "default"
 
     @classmethod
@@ -338,6 +342,45 @@ def _event_handoff_s(rounds: int = 200) -> float:
     return dt / (2 * rounds)
 
 
+def _gil_share_s(n: int = 400) -> float:
+    """Seconds of each tiny op's time that concurrent Python threads cannot overlap.
+
+    One thread runs a chain of ``n`` tiny aten ops (``tau1`` per op); then two threads run
+    one chain each at once (wall ``w``). If dispatch were fully parallel ``w == n*tau1``; if
+    the GIL serialised everything ``w == 2*n*tau1``. So the serial share per op is
+    ``w/n - tau1``, clamped to ``[0, tau1]``. The ops are called as the generated programs
+    call them (``torch.ops.aten.<op>.default`` objects).
+    """
+    import torch
+
+    add = torch.ops.aten.add.Tensor
+
+    def chain():
+        a, b = torch.ones(4), torch.ones(4)
+        for _ in range(n):
+            a = add(a, b)
+
+    def once():
+        t0 = time.perf_counter()
+        chain()
+        return time.perf_counter() - t0
+
+    def twice():
+        go = threading.Event()
+        th = threading.Thread(target=lambda: (go.wait(), chain()))
+        th.start()
+        t0 = time.perf_counter()
+        go.set()
+        chain()
+        th.join()
+        return time.perf_counter() - t0
+
+    once()
+    tau1 = _best(once, 3) / n
+    w = _best(twice, 3) / n
+    return min(max(w - tau1, 0.0), tau1)
+
+
 def _measure_cpu() -> dict:
     import torch
 
@@ -389,6 +432,7 @@ def _measure_cpu() -> dict:
         memory_bytes=int(mem),
         peak_flops_1t=2 * 256**3 / mm_s,
         mem_bandwidth_Bps=2 * nbytes / copy_s,  # a copy reads and writes every byte
+        gil_s=_gil_share_s() if cores > 1 else 0.0,
     )
 
 
@@ -451,7 +495,8 @@ def calibration_name(device: str = "cpu") -> str:
         >>> calibration_name("cpu").startswith("machine-cpu-")
         True
     """
-    return f"machine-{device.replace(':', '')}-{os.cpu_count() or 1}c"
+    # v2: gil_s joined the constants; older calibrations are re-measured
+    return f"machine-{device.replace(':', '')}-{os.cpu_count() or 1}c-v2"
 
 
 def calibrate(store=None, device: str = "cpu", force: bool = False) -> MachineModel:

@@ -184,7 +184,9 @@ def simulate(
     npred = {n: len(prep.pred[n]) for n in order}
     ready = dict.fromkeys(order, 0.0)
     ptr = dict.fromkeys(queues, 0)
-    running: dict[int, list] = {}  # sid -> [node, remaining uncontended seconds]
+    # sid -> [node, remaining uncontended seconds of the current phase, phase]; phase is
+    # "gil" (the op's Python dispatch, holding the GIL) or "run" (the kernel, GIL released)
+    running: dict[int, list] = {}
     start: dict[str, float] = {}
     finish: dict[str, float] = {}
     is_cpu = {sid: s.device == "cpu" for sid, s in smap.items()}
@@ -192,6 +194,14 @@ def simulate(
     cores = machine.cores
     t, done, total = 0.0, 0, len(order)
     sids = list(queues)
+    # The GIL: with two or more CPU streams in use, each op's first ``gil_s`` seconds (its
+    # Python-side dispatch in the generated code) hold the interpreter lock, so those parts
+    # of concurrent ops run one at a time. One CPU stream runs straight-line code: no
+    # contention, nothing to model.
+    cpu_used = {sid for sid in queues if is_cpu[sid] and queues[sid]}
+    gil = getattr(machine, "gil_s", 0.0) if len(cpu_used) > 1 else 0.0
+    gil_owner: int | None = None
+    gil_queue: list[int] = []
 
     device = {sid: s.device for sid, s in smap.items()}
     sync = sync_time(machine)
@@ -210,36 +220,50 @@ def simulate(
             if d > ready[v]:
                 ready[v] = d
 
+    def begin(sid: int, h: str) -> None:
+        """Start node ``h`` on ``sid``: first its GIL phase (if modelled), then its kernel."""
+        nonlocal gil_owner
+        start[h] = t
+        if gil > 0.0 and is_cpu[sid]:
+            gil_owner = sid
+            running[sid] = [h, min(gil, cost[h]), "gil"]
+        else:
+            running[sid] = [h, cost[h], "run"]
+
     while done < total:
         progressed = True
         while progressed:  # start everything that can start now; zero-cost nodes finish now
             progressed = False
             for sid in sids:
                 q = queues[sid]
-                if sid in running or ptr[sid] >= len(q):
+                if sid in running or sid in gil_queue or ptr[sid] >= len(q):
                     continue
                 h = q[ptr[sid]]
                 if npred[h] == 0 and ready[h] <= t:
-                    start[h] = t
-                    ptr[sid] += 1
                     if cost[h] <= 0.0:
-                        finish[h] = t
+                        ptr[sid] += 1
+                        start[h] = finish[h] = t
                         done += 1
                         release(h)
                         progressed = True
+                    elif gil > 0.0 and is_cpu[sid] and gil_owner is not None:
+                        gil_queue.append(sid)  # waits for the interpreter lock
                     else:
-                        running[sid] = [h, cost[h]]
+                        ptr[sid] += 1
+                        begin(sid, h)
         if done == total:
             break
-        x = sum(threads[sid] for sid in running if is_cpu[sid])
+        x = sum(
+            threads[sid] if ph == "run" else 1 for sid, (_, _, ph) in running.items() if is_cpu[sid]
+        )
         cpu_rate = cores / x if x > cores else 1.0
         next_t, first = math.inf, None
-        for sid, (_h, rem) in running.items():
+        for sid, (_h, rem, _ph) in running.items():
             f = t + rem / (cpu_rate if is_cpu[sid] else 1.0)
             if f < next_t:
                 next_t, first = f, sid
         for sid in sids:
-            if sid not in running and ptr[sid] < len(queues[sid]):
+            if sid not in running and sid not in gil_queue and ptr[sid] < len(queues[sid]):
                 h = queues[sid][ptr[sid]]
                 if npred[h] == 0 and ready[h] < next_t:
                     next_t, first = ready[h], None
@@ -252,15 +276,25 @@ def simulate(
         dt = next_t - t
         t = next_t
         for sid in list(running):
-            node, rem = running[sid]
+            node, rem, phase = running[sid]
             rem -= dt * (cpu_rate if is_cpu[sid] else 1.0)
             if sid == first or rem <= 1e-9 * cost[node]:
+                if phase == "gil":  # dispatch done: release the GIL, run the kernel
+                    gil_owner = None
+                    rest = cost[node] - min(gil, cost[node])
+                    if rest > 1e-12 * cost[node]:
+                        running[sid] = [node, rest, "run"]
+                        continue
                 finish[node] = t
                 done += 1
                 del running[sid]
                 release(node)
             else:
                 running[sid][1] = rem
+        if gil_owner is None and gil_queue:  # the next waiting stream takes the GIL
+            sid = gil_queue.pop(0)
+            ptr[sid] += 1
+            begin(sid, queues[sid][ptr[sid] - 1])
     makespan = max(finish.values(), default=0.0)
     busy = dict.fromkeys(smap, 0.0)
     for n in order:
