@@ -16,6 +16,7 @@ import autopar.plan as _plan_module  # noqa: F401
 import autopar.profile as _profile_module  # noqa: F401
 from autopar.api import CompiledModule, CompileOptions, compile, explain, plan, profile
 from autopar.plan import Plan, Stream, Sync
+from autopar.step import compile_step
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "Sync",
     "__version__",
     "compile",
+    "compile_step",
     "explain",
     "plan",
     "profile",
