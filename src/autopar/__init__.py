@@ -14,6 +14,7 @@ simulator) -> ``codegen`` -> ``runtime``; ``api`` composes them.
 # package attribute when a submodule is first loaded, so the functions, bound last, win.
 import autopar.plan as _plan_module  # noqa: F401
 import autopar.profile as _profile_module  # noqa: F401
+from autopar.adapt import AdaptOptions, stats
 from autopar.api import CompiledModule, CompileOptions, compile, explain, plan, profile
 from autopar.plan import Plan, Stream, Sync
 from autopar.step import compile_step
@@ -21,6 +22,7 @@ from autopar.step import compile_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptOptions",
     "CompileOptions",
     "CompiledModule",
     "Plan",
@@ -32,4 +34,5 @@ __all__ = [
     "explain",
     "plan",
     "profile",
+    "stats",
 ]

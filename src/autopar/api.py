@@ -14,18 +14,17 @@ Example::
 from __future__ import annotations
 
 import inspect
-import os
 import threading
-import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from autopar.capture import Capture, GraphRecord, dynamo_compile
+from autopar.adapt import AdaptOptions
+from autopar.capture import GraphRecord, dynamo_compile
 from autopar.errors import CaptureError
+from autopar.pipeline import Pipeline
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,8 @@ class CompileOptions:
     debug_dir: str | None = None  # default: $AUTOPAR_DEBUG_DIR
     warmup: int = 2  # profiler warm-up runs per operator signature
     repeats: int = 5  # profiler timed runs per operator signature
+    adapt: Any = True  # True, False (no monitor) or an autopar.adapt.AdaptOptions
+    cache_size: int = 8  # plans kept per input signature (LRU; see autopar.adapt.PlanCache)
 
     def __post_init__(self):
         if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
@@ -49,6 +50,10 @@ class CompileOptions:
             raise ValueError(f"policy must be one of {policies}, got {self.policy!r}")
         if self.rnn not in ("unroll", "eager"):
             raise ValueError(f"rnn must be 'unroll' or 'eager', got {self.rnn!r}")
+        if not (isinstance(self.adapt, (bool, AdaptOptions))):
+            raise ValueError(f"adapt must be True, False or AdaptOptions, got {self.adapt!r}")
+        if not isinstance(self.cache_size, int) or self.cache_size < 1:
+            raise ValueError(f"cache_size must be a positive int, got {self.cache_size!r}")
 
 
 class CompiledModule(nn.Module):
@@ -95,83 +100,6 @@ class CompiledModule(nn.Module):
         return self._autopar_pipeline.call(self._orig_mod, self._autopar_compiled, args, kwargs)
 
 
-class Pipeline:
-    """Capture, then for each graph on its first real call: profile -> plan -> codegen."""
-
-    def __init__(self, options: CompileOptions):
-        self.options = options
-        self.capture = Capture(prepare=self.prepare)
-        self._store = None
-        self.compile_seconds: float | None = None  # first call: capture + profile + plan
-
-    @property
-    def records(self) -> list[GraphRecord]:
-        return self.capture.records
-
-    @property
-    def store(self):
-        if self._store is None:
-            from autopar.store import ProfileStore
-
-            s = self.options.store
-            self._store = s if isinstance(s, ProfileStore) else ProfileStore(s)
-        return self._store
-
-    def call(self, model: nn.Module, compiled, args, kwargs):
-        first = self.compile_seconds is None
-        t0 = time.perf_counter()
-        if self.options.rnn == "unroll":
-            from autopar.rnn import rewrite_rnns
-
-            with rewrite_rnns(model):
-                out = compiled(*args, **kwargs)
-        else:
-            out = compiled(*args, **kwargs)
-        if first:
-            self.compile_seconds = time.perf_counter() - t0
-        return out
-
-    def prepare(self, record: GraphRecord, args: list):
-        """Profile (running the graph once for real), plan, generate; return (out, runner)."""
-        from autopar.codegen import generate
-        from autopar.partition import make_plan
-        from autopar.profile import profile_graph
-
-        opts = self.options
-        t0 = time.perf_counter()
-        out, table = profile_graph(
-            record.gm,
-            args,
-            tag=record.tag,
-            phase=record.phase,
-            store=self.store,
-            warmup=opts.warmup,
-            repeats=opts.repeats,
-        )
-        t1 = time.perf_counter()
-        plan = make_plan(
-            table,
-            streams=opts.streams,
-            policy=opts.policy,
-            memory_budget=opts.memory_budget,
-            graph_id=record.tag,
-            store=self.store,
-        )
-        t2 = time.perf_counter()
-        program = generate(
-            record.gm,
-            plan,
-            record.tag,
-            provenance={"profile_store": str(getattr(self.store, "path", None))},
-        )
-        t3 = time.perf_counter()
-        record.table, record.plan, record.program = table, plan, program
-        record.timings.update(profile=t1 - t0, plan=t2 - t1, codegen=t3 - t2)
-        _write_debug(record, opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR"))
-        fn = program.fn
-        return out, (lambda a: fn(*a))
-
-
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     model: nn.Module,
     *,
@@ -181,6 +109,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     memory_budget: int | None = None,
     rnn: str = "unroll",
     debug_dir: str | None = None,
+    adapt: bool | AdaptOptions = True,
+    cache_size: int = 8,
 ) -> CompiledModule:
     """Compile ``model`` for parallel training. Lazy: the work happens on the first call.
 
@@ -200,6 +130,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             (sharing the same Parameters); ``"eager"`` leaves them to Dynamo.
         debug_dir: write graphs, profile, plan.json, program and Gantt chart here
             (default ``$AUTOPAR_DEBUG_DIR``).
+        adapt: ``True`` (default ``AdaptOptions()``), an ``autopar.adapt.AdaptOptions``, or
+            ``False``: time every graph call against the plan's prediction
+            (``autopar.stats``) and re-plan on persistent drift (docs/adaptive.md).
+        cache_size: plans kept per input signature (shapes, dtypes, train/eval, grad mode,
+            autocast), least recently used evicted; each miss logs one line on the
+            ``"autopar"`` logger, and more signatures than this warns once.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(
@@ -208,7 +144,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
     if isinstance(model, CompiledModule):
         return model
-    options = CompileOptions(streams, policy, store, memory_budget, rnn, debug_dir)
+    options = CompileOptions(
+        streams, policy, store, memory_budget, rnn, debug_dir, adapt=adapt, cache_size=cache_size
+    )
     return CompiledModule(model, options)
 
 
@@ -328,26 +266,3 @@ def _check_inputs(model: nn.Module, sig, args, kwargs) -> None:
                 f"{param.dtype}; convert the input (x.to({param.dtype})) or the model "
                 f"(model.to({a.dtype})) so they match"
             )
-
-
-def _write_debug(record: GraphRecord, debug_dir: str | None) -> None:
-    """AUTOPAR_DEBUG_DIR: the graph, the profile, plan.json, the program and a Gantt PNG."""
-    if not debug_dir:
-        return
-    try:
-        d = os.path.join(debug_dir, record.tag)
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, "graph.py"), "w") as f:
-            f.write(record.gm.code)
-        with open(os.path.join(d, "graph.txt"), "w") as f:
-            f.write(str(record.gm.graph))
-        if record.table is not None:
-            record.table.to_csv(os.path.join(d, "profile.csv"), index=False)
-        if record.plan is not None:
-            with open(os.path.join(d, "plan.json"), "w") as f:
-                f.write(record.plan.to_json(indent=1))
-            record.plan.gantt(os.path.join(d, "gantt.png"), title=record.tag)
-        if record.program is not None:
-            record.program.save(os.path.join(d, "program.py"))
-    except Exception as exc:  # noqa: BLE001 - debug output must never break training
-        warnings.warn(f"autopar: could not write debug output to {debug_dir}: {exc}", stacklevel=2)

@@ -38,6 +38,9 @@ from autopar.errors import FallbackWarning, warn_fallback
 # It gets the record and the real (boxed) argument list, runs the graph once for real and
 # returns (outputs, runner) where ``runner(args_list)`` runs it from then on.
 Prepare = Callable[["GraphRecord", list], tuple[Any, Callable[[list], Any]]]
+# Optional hook around every later call: ``on_call(record, runner, args) -> outputs``
+# (``autopar.adapt`` times calls there, re-profiles and swaps programs).
+OnCall = Callable[["GraphRecord", Callable[[list], Any], list], Any]
 
 
 @dataclass
@@ -53,6 +56,12 @@ class GraphRecord:
     program: Any = None  # autopar.codegen.Program
     fallback: str | None = None  # why this graph runs as captured, if it does
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    group: int = 0  # k of the Dynamo graph it came from (g<k>.fw and g<k>.bw share it)
+    # What runs the graph from its second call on (None: the next call prepares it).
+    # ``lock`` guards swapping it: a swap happens between calls, never during one.
+    runner: Callable[[list], Any] | None = field(default=None, repr=False)
+    lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    calls: int = 0  # real calls so far (the preparing call included)
 
     @property
     def num_nodes(self) -> int:
@@ -66,46 +75,60 @@ def run_serially(record: GraphRecord, args: list) -> tuple[Any, Callable[[list],
 
 
 class LazyGraph:
-    """Boxed callable AOTAutograd calls; prepares its graph on the first real call."""
+    """Boxed callable AOTAutograd calls; prepares its graph on the first real call.
 
-    def __init__(self, record: GraphRecord, prepare: Prepare):
+    Later calls run ``record.runner`` (through ``on_call`` when one is given). Setting
+    ``record.runner = None`` (e.g. a plan evicted from the shape cache) makes the next call
+    prepare the graph again."""
+
+    def __init__(self, record: GraphRecord, prepare: Prepare, on_call: OnCall | None = None):
         # AOTAutograd passes one list of arguments. An instance attribute, because Dynamo
         # wraps the backward with functools.wraps, which copies __dict__ but not the class.
         self._boxed_call = True
         self.record = record
         self._prepare = prepare
-        self._runner: Callable[[list], Any] | None = None
-        self._lock = threading.Lock()
+        self._on_call = on_call
 
     def __call__(self, args: list) -> Any:
-        runner = self._runner
-        if runner is not None:
+        record = self.record
+        runner = record.runner
+        if runner is None:
+            return self._first_call(args)
+        record.calls += 1
+        if self._on_call is None:
             return runner(args)
-        with self._lock:  # two threads calling a fresh model: prepare once
-            if self._runner is not None:
-                return self._runner(args)
+        return self._on_call(record, runner, args)
+
+    def _first_call(self, args: list) -> Any:
+        record = self.record
+        with record.lock:  # two threads calling a fresh model: prepare once
+            if record.runner is not None:
+                record.calls += 1
+                return record.runner(args)
             args = list(args)
             try:
-                out, runner = self._prepare(self.record, args)
+                out, runner = self._prepare(record, args)
             except Exception as exc:  # noqa: BLE001 - any failure falls back, never wrong results
-                self.record.fallback = f"{type(exc).__name__}: {exc}"
+                record.fallback = f"{type(exc).__name__}: {exc}"
                 node = getattr(exc, "node", None)
                 warn_fallback(
-                    f"could not plan graph {self.record.tag} ({type(exc).__name__}: {exc})",
+                    f"could not plan graph {record.tag} ({type(exc).__name__}: {exc})",
                     node,
                     "Set AUTOPAR_DEBUG_DIR to keep the graph for a bug report.",
                 )
-                fn = self.record.gm.forward
+                fn = record.gm.forward
                 out, runner = fn(*args), (lambda a: fn(*a))
-            self._runner = runner
+            record.runner = runner
+            record.calls += 1
             return out
 
 
 class Capture:
     """Records the graphs of one compiled model; ``backend`` is given to ``torch.compile``."""
 
-    def __init__(self, prepare: Prepare = run_serially):
+    def __init__(self, prepare: Prepare = run_serially, on_call: OnCall | None = None):
         self.prepare = prepare
+        self.on_call = on_call
         self.records: list[GraphRecord] = []
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -113,15 +136,15 @@ class Capture:
     def graphs(self, phase: str | None = None) -> list[GraphRecord]:
         return [r for r in self.records if phase is None or r.phase == phase]
 
-    def _compiler(self, tag: str, phase: str, t0: float):
+    def _compiler(self, tag: str, phase: str, t0: float, group: int):
         def compile_graph(gm: fx.GraphModule, example_inputs):
             for node in gm.graph.nodes:
                 node.meta["autopar.key"] = f"{tag}/{node.name}"
                 node.meta["autopar.phase"] = phase
-            record = GraphRecord(tag, phase, gm, capture_s=time.perf_counter() - t0)
+            record = GraphRecord(tag, phase, gm, capture_s=time.perf_counter() - t0, group=group)
             with self._lock:
                 self.records.append(record)
-            return LazyGraph(record, self.prepare)
+            return LazyGraph(record, self.prepare, self.on_call)
 
         return compile_graph
 
@@ -133,9 +156,9 @@ class Capture:
         t0 = time.perf_counter()
         try:
             compiler = aot_autograd(
-                fw_compiler=self._compiler(f"g{k}.fw", "forward", t0),
-                bw_compiler=self._compiler(f"g{k}.bw", "backward", t0),
-                inference_compiler=self._compiler(f"g{k}.inf", "forward", t0),
+                fw_compiler=self._compiler(f"g{k}.fw", "forward", t0, k),
+                bw_compiler=self._compiler(f"g{k}.bw", "backward", t0, k),
+                inference_compiler=self._compiler(f"g{k}.inf", "forward", t0, k),
             )
             return compiler(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
@@ -153,7 +176,7 @@ def _first_call_node(gm: fx.GraphModule) -> fx.Node | None:
     return next((n for n in gm.graph.nodes if n.op in ("call_function", "call_module")), None)
 
 
-__all__ = ["Capture", "FallbackWarning", "GraphRecord", "LazyGraph", "run_serially"]
+__all__ = ["Capture", "FallbackWarning", "GraphRecord", "LazyGraph", "OnCall", "run_serially"]
 
 
 def dynamo_compile(module: torch.nn.Module, capture: Capture):

@@ -1,0 +1,139 @@
+"""The per-model pipeline: capture, then for each graph on its first real call
+profile -> plan -> codegen; later calls go through the adaptive monitor (``autopar.adapt``).
+
+``autopar.compile`` makes one ``Pipeline`` per compiled module. Example::
+
+    >>> from autopar.api import CompileOptions
+    >>> pipe = Pipeline(CompileOptions(streams=2))
+    >>> pipe.records          # filled as Dynamo/AOTAutograd capture graphs
+    []
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch.nn as nn
+
+from autopar.adapt import AdaptOptions, Monitor, align_dynamo_limit, describe_key, input_key
+from autopar.capture import Capture, GraphRecord
+
+
+class Pipeline:
+    """Capture, then for each graph on its first real call: profile -> plan -> codegen."""
+
+    def __init__(self, options):
+        self.options = options
+        adapt = getattr(options, "adapt", True)
+        adapt = AdaptOptions() if adapt is True else (adapt or None)
+        cache_size = getattr(options, "cache_size", 8)
+        self.monitor = Monitor(self, adapt, cache_size)
+        align_dynamo_limit(cache_size)
+        self.capture = Capture(prepare=self.prepare, on_call=self.monitor.on_call)
+        self._store = None
+        self.compile_seconds: float | None = None  # first call: capture + profile + plan
+
+    @property
+    def records(self) -> list[GraphRecord]:
+        return self.capture.records
+
+    @property
+    def store(self):
+        if self._store is None:
+            from autopar.store import ProfileStore
+
+            s = self.options.store
+            self._store = s if isinstance(s, ProfileStore) else ProfileStore(s)
+        return self._store
+
+    def call(self, model: nn.Module, compiled, args, kwargs):
+        """One forward call: a step boundary (pending re-plans are swapped in here)."""
+        first = self.compile_seconds is None
+        key = input_key(model, args, kwargs)
+        self.monitor.begin_step(key, lambda: describe_key(key))
+        t0 = time.perf_counter()
+        if self.options.rnn == "unroll":
+            from autopar.rnn import rewrite_rnns
+
+            with rewrite_rnns(model):
+                out = compiled(*args, **kwargs)
+        else:
+            out = compiled(*args, **kwargs)
+        if first:
+            self.compile_seconds = time.perf_counter() - t0
+        return out
+
+    def prepare(self, record: GraphRecord, args: list):
+        """Profile (running the graph once for real), plan, generate; return (out, runner)."""
+        from autopar.profile import profile_graph
+
+        opts = self.options
+        t0 = time.perf_counter()
+        out, table = profile_graph(
+            record.gm,
+            args,
+            tag=record.tag,
+            phase=record.phase,
+            store=self.store,
+            warmup=opts.warmup,
+            repeats=opts.repeats,
+        )
+        record.timings.update(profile=time.perf_counter() - t0)
+        table = self.monitor.prepared(record, table)
+        plan, program = self.plan_and_generate(record, table)
+        record.table, record.plan, record.program = table, plan, program
+        self.monitor.compiled(record, time.perf_counter() - t0)
+        _write_debug(record, opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR"))
+        fn = program.fn
+        return out, (lambda a: fn(*a))
+
+    def plan_and_generate(self, record: GraphRecord, table):
+        """Plan ``table`` (one graph's profile) and generate its program (thread-safe: the
+        adaptive re-planner calls it from a background thread)."""
+        from autopar.codegen import generate
+        from autopar.partition import make_plan
+
+        opts = self.options
+        t1 = time.perf_counter()
+        plan = make_plan(
+            table,
+            streams=opts.streams,
+            policy=opts.policy,
+            memory_budget=opts.memory_budget,
+            graph_id=record.tag,
+            store=self.store,
+        )
+        t2 = time.perf_counter()
+        program = generate(
+            record.gm,
+            plan,
+            record.tag,
+            provenance={"profile_store": str(getattr(self.store, "path", None))},
+        )
+        record.timings.update(plan=t2 - t1, codegen=time.perf_counter() - t2)
+        return plan, program
+
+
+def _write_debug(record: GraphRecord, debug_dir: str | None) -> None:
+    """AUTOPAR_DEBUG_DIR: the graph, the profile, plan.json, the program and a Gantt PNG."""
+    if not debug_dir:
+        return
+    try:
+        d = os.path.join(debug_dir, record.tag)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "graph.py"), "w") as f:
+            f.write(record.gm.code)
+        with open(os.path.join(d, "graph.txt"), "w") as f:
+            f.write(str(record.gm.graph))
+        if record.table is not None:
+            record.table.to_csv(os.path.join(d, "profile.csv"), index=False)
+        if record.plan is not None:
+            with open(os.path.join(d, "plan.json"), "w") as f:
+                f.write(record.plan.to_json(indent=1))
+            record.plan.gantt(os.path.join(d, "gantt.png"), title=record.tag)
+        if record.program is not None:
+            record.program.save(os.path.join(d, "program.py"))
+    except Exception as exc:  # noqa: BLE001 - debug output must never break training
+        warnings.warn(f"autopar: could not write debug output to {debug_dir}: {exc}", stacklevel=2)
