@@ -46,7 +46,7 @@ def _flat(out):
 
 
 def _loss(outs, weights):
-    return sum((o * w).sum() for o, w in zip(outs, weights))
+    return sum((o * w).sum() for o, w in zip(outs, weights, strict=True))
 
 
 def _step(model, inputs, weights, opt_name):
@@ -100,13 +100,13 @@ def check_training(model: torch.nn.Module, inputs, compile_fn, opt_name="sgd", s
     c = _step(comp, mk(), weights, opt_name)
 
     assert len(c[0]) == len(e[0])
-    for i, (cg, eg, rg) in enumerate(zip(c[0], e[0], r[0])):
+    for i, (cg, eg, rg) in enumerate(zip(c[0], e[0], r[0], strict=True)):
         assert cg.shape == eg.shape, f"output {i} shape {cg.shape} != {eg.shape}"
         assert_close_to_oracle(f"output {i}", cg, eg, rg)
     assert set(c[1]) == set(e[1]), f"gradients differ in which params: {set(c[1]) ^ set(e[1])}"
     for n in e[1]:
         assert_close_to_oracle(f"grad {n}", c[1][n], e[1][n], r[1][n])
-    for i, (cg, eg, rg) in enumerate(zip(c[2], e[2], r[2])):
+    for i, (cg, eg, rg) in enumerate(zip(c[2], e[2], r[2], strict=True)):
         if eg is not None:
             assert cg is not None, f"input {i} got no gradient"
             assert_close_to_oracle(f"input grad {i}", cg, eg, rg)

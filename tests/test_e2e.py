@@ -7,12 +7,12 @@ import warnings
 
 import pytest
 import torch
+from oracle import check_training
 
 import autopar
 from autopar import zoo
 from autopar.errors import CaptureError, FallbackWarning
 from autopar.store import ProfileStore
-from oracle import check_training
 
 FAMILIES = [
     "mlp",
@@ -63,7 +63,7 @@ def test_dropout_matches_eager_with_same_seed():
         yc = comp(x)
         yc.sum().backward()
         torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-6)
-    for pe, pc in zip(eager.parameters(), comp.parameters()):
+    for pe, pc in zip(eager.parameters(), comp.parameters(), strict=True):
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-5, atol=1e-6)
 
 
@@ -71,12 +71,12 @@ def test_same_parameters_and_state_dict():
     model, (x,) = zoo.build("mlp")
     cmodel = autopar.compile(model, store=ProfileStore.memory())
     assert list(cmodel.state_dict()) == list(model.state_dict())
-    assert all(a is b for a, b in zip(cmodel.parameters(), model.parameters()))
+    assert all(a is b for a, b in zip(cmodel.parameters(), model.parameters(), strict=True))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the user's optimizer, built on model
     before = [p.detach().clone() for p in model.parameters()]
     cmodel(x).sum().backward()
     opt.step()
-    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
 def test_rnn_state_dict_untouched():

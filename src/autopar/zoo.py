@@ -26,7 +26,7 @@ class MLP(nn.Module):
     def __init__(self, d_in: int = 32, hidden: int = 64, d_out: int = 10, depth: int = 3):
         super().__init__()
         dims = [d_in] + [hidden] * (depth - 1) + [d_out]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:], strict=False))
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
