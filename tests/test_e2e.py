@@ -121,3 +121,17 @@ def test_profile_and_plan_api():
     p = autopar.plan(model, x, streams=2, store=ProfileStore.memory())
     assert p.predicted_step_time <= p.serial_time * 1.0001
     assert len(p.to_dataframe()) == len(p.order)
+
+
+def test_plan_failure_falls_back_once_without_repeating_side_effects():
+    """A graph that cannot be planned (impossible memory budget) runs as captured after one
+    FallbackWarning; the profiling run's BatchNorm update is not applied twice."""
+    model, (x,) = zoo.build("inplace_views")
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, memory_budget=1, store=ProfileStore.memory())
+    with pytest.warns(FallbackWarning, match="could not plan graph g0.fw"):
+        yc = cmodel(x)
+    ye = eager(x)
+    torch.testing.assert_close(yc, ye)
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean)
+    assert model.bn.num_batches_tracked.item() == 1

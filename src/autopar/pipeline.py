@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from autopar.adapt import AdaptOptions, Monitor, align_dynamo_limit, describe_key, input_key
 from autopar.capture import Capture, GraphRecord
+from autopar.errors import warn_fallback
 
 
 class Pipeline:
@@ -70,22 +71,41 @@ class Pipeline:
         from autopar.profile import profile_graph
 
         opts = self.options
+        debug_dir = opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR")
         t0 = time.perf_counter()
-        out, table = profile_graph(
-            record.gm,
-            args,
-            tag=record.tag,
-            phase=record.phase,
-            store=self.store,
-            warmup=opts.warmup,
-            repeats=opts.repeats,
-        )
+        try:
+            out, table = profile_graph(
+                record.gm,
+                args,
+                tag=record.tag,
+                phase=record.phase,
+                store=self.store,
+                warmup=opts.warmup,
+                repeats=opts.repeats,
+            )
+        except Exception:
+            _write_debug(record, debug_dir)  # the graph, for a bug report
+            raise  # nothing ran for real yet: LazyGraph falls back to the captured graph
         record.timings.update(profile=time.perf_counter() - t0)
-        table = self.monitor.prepared(record, table)
-        plan, program = self.plan_and_generate(record, table)
-        record.table, record.plan, record.program = table, plan, program
+        try:
+            record.table = table = self.monitor.prepared(record, table)
+            plan, program = self.plan_and_generate(record, table)
+        except Exception as exc:  # noqa: BLE001
+            # The profiler already ran the graph for real (buffer updates, RNG draws are
+            # done): return its outputs and run the captured graph from now on. Running it
+            # again here would apply those side effects twice.
+            _write_debug(record, debug_dir)
+            record.fallback = f"{type(exc).__name__}: {exc}"
+            warn_fallback(
+                f"could not plan graph {record.tag} ({record.fallback})",
+                getattr(exc, "node", None),
+                "The graph, its profile and this error are in AUTOPAR_DEBUG_DIR when set.",
+            )
+            fn = record.gm.forward
+            return out, (lambda a: fn(*a))
+        record.plan, record.program = plan, program
         self.monitor.compiled(record, time.perf_counter() - t0)
-        _write_debug(record, opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR"))
+        _write_debug(record, debug_dir)
         fn = program.fn
         return out, (lambda a: fn(*a))
 
