@@ -66,8 +66,8 @@ class AdaptOptions:
         4
     """
 
-    window: int = 16  # graph calls in the drift window (median) and in the baseline
-    threshold: float = 1.5  # drift: median ratio / baseline outside [1/threshold, threshold]
+    window: int = 32  # graph calls in the drift window (median) and in the baseline
+    threshold: float = 2.0  # drift: median ratio / baseline outside [1/threshold, threshold]
     warmup: int = 4  # calls ignored after a (re)plan is installed (caches, worker start-up)
     sample_every: int = 16  # time each stream function on every N-th call (0: never)
     max_replans: int = 3  # per graph; then it keeps its last plan (logged once)
