@@ -51,6 +51,7 @@ import itertools
 import linecache
 import math
 import operator
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -415,6 +416,7 @@ def generate(
     cuda_graph: bool = False,
     inductor_runs: bool = False,
     timeout_s: float = 0.0,
+    executor: str | None = None,
 ) -> Program:
     """Generate the program that runs graph ``gm`` (tagged ``tag``) as ``plan`` says.
 
@@ -422,12 +424,24 @@ def generate(
     ``cuda_graph`` wraps a CUDA program in ``torch.cuda.graph`` (static input shapes; the
     outputs are the graph's static buffers, overwritten by the next call). ``timeout_s``
     bounds one cross-stream wait (default ``autopar.runtime.DEFAULT_TIMEOUT_S``).
+    ``executor`` (default ``$AUTOPAR_EXECUTOR`` or ``"python"``) for CPU plans: ``"python"``
+    (worker threads, this module), ``"torchscript"`` (``autopar.codegen_ts``: scripted
+    segments with fork/wait, falling back to ``"python"`` with a note when it cannot), or
+    ``"auto"`` (``"torchscript"`` for CPU plans with several streams).
 
     Example::
 
         >>> prog = generate(gm, plan, "g0.fw")  # doctest: +SKIP
         >>> print(prog.source)                  # doctest: +SKIP
     """
+    executor = executor or os.environ.get("AUTOPAR_EXECUTOR") or "python"
+    if executor not in ("python", "torchscript", "auto"):
+        raise ValueError(f"executor must be 'python', 'torchscript' or 'auto', not {executor!r}")
+    if executor != "python" and not cuda_graph and not inductor_runs:
+        from autopar.codegen_ts import generate_ts, wanted
+
+        if wanted(gm, plan, tag, executor):
+            return generate_ts(gm, plan, tag, provenance=provenance, timeout_s=timeout_s)
     if inductor_runs:
         raise NotImplementedError(
             "inductor_runs=True is not implemented yet: generate with inductor_runs=False"

@@ -1,0 +1,166 @@
+"""TorchScript executor: scripted segments with fork/wait match eager; fallback with a reason."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+from test_codegen import (
+    ARGS,
+    BW_ARGS,
+    TAG,
+    assert_same,
+    backward_like,
+    branches,
+    make_plan,
+    random_dag,
+    random_topo_order,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import autopar
+from autopar import zoo
+from autopar.codegen import generate
+from autopar.codegen_ts import FALLBACK_NOTE, generate_ts
+from autopar.runtime import intra_op_threads
+from autopar.store import ProfileStore
+
+
+def _is_ts(prog) -> bool:
+    return "torch.jit.script(_ts_forward)" in prog.source and not _fallback(prog)
+
+
+def _fallback(prog) -> list[str]:
+    return [n for n in prog.notes if n.startswith(FALLBACK_NOTE)]
+
+
+@pytest.mark.parametrize("n_streams", [1, 2, 4])
+@pytest.mark.parametrize("fn,args", [(branches, ARGS), (backward_like, BW_ARGS)])
+def test_streams_match_eager(fn, args, n_streams):
+    gm = make_fx(fn)(*args)
+    for assign in (lambda i, n: i, lambda i, n: hash(n.name) // 7):
+        prog = generate_ts(gm, make_plan(gm, assign, n_streams), TAG)
+        assert _is_ts(prog), prog.notes
+        for _ in range(3):  # the profiling executor optimises after the first runs
+            assert_same(prog.fn(*args), gm(*args))
+
+
+def test_switch_and_env(monkeypatch):
+    gm = make_fx(branches)(*ARGS)
+    plan = make_plan(gm, lambda i, n: i, 2)
+    assert not _is_ts(generate(gm, plan, TAG))  # default: python
+    assert _is_ts(generate(gm, plan, TAG, executor="torchscript"))
+    assert _is_ts(generate(gm, plan, TAG, executor="auto"))
+    serial = make_plan(gm, lambda i, n: 0, 2)
+    assert not _is_ts(generate(gm, serial, TAG, executor="auto"))  # one stream: python
+    monkeypatch.setenv("AUTOPAR_EXECUTOR", "torchscript")
+    prog = generate(gm, plan, TAG)
+    assert _is_ts(prog) and "torch.jit.fork" in prog.source
+    with pytest.raises(ValueError, match="executor"):
+        generate(gm, plan, TAG, executor="cpp")
+
+
+def test_inplace_and_rng_keep_eager_order():
+    def f(x, buf):
+        s = buf.sum()
+        buf.copy_(x * 2)
+        a = torch.nn.functional.dropout(x.sin(), 0.5, True)
+        b = torch.nn.functional.dropout(x.cos(), 0.3, True)
+        return buf * 3 + s, a + b
+
+    x = torch.randn(64)
+    gm = make_fx(f)(x, torch.randn(64))
+    prog = generate_ts(gm, make_plan(gm, lambda i, n: i % 3, 3), TAG)
+    assert _is_ts(prog), prog.notes
+    assert any("moved" in n for n in prog.notes)
+    for _ in range(3):
+        buf = torch.randn(64)
+        b1, b2 = buf.clone(), buf.clone()
+        torch.manual_seed(0)
+        got = prog.fn(x, b1)
+        torch.manual_seed(0)
+        assert_same(got, f(x, b2))
+        assert torch.equal(b1, b2)
+
+
+def _py_add(a, b):
+    return a + b
+
+
+def test_unsupported_graph_falls_back_with_reason():
+    def f(x):
+        return x.sin() + x.cos()
+
+    gm = make_fx(f)(torch.randn(4))
+    for n in gm.graph.nodes:  # a Python callable TorchScript cannot call
+        if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor:
+            n.target = _py_add
+    gm.recompile()
+    prog = generate_ts(gm, make_plan(gm, lambda i, n: i, 2), TAG)
+    assert len(_fallback(prog)) == 1 and "Python callable" in _fallback(prog)[0]
+    assert "_rt.run_streams" in prog.source  # the Python executor's program
+    x = torch.randn(4)
+    assert_same(prog.fn(x), f(x))
+
+
+def test_errors_surface_and_nothing_hangs():
+    gm = make_fx(branches)(*ARGS)
+    prog = generate_ts(gm, make_plan(gm, lambda i, n: i, 2), TAG)
+    with pytest.raises(RuntimeError):
+        prog.fn(torch.randn(8, 16), torch.randn(3, 3))  # mm shape mismatch on a stream
+    assert_same(prog.fn(*ARGS), gm(*ARGS))  # and the program still works
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=hs.integers(0, 10_000), n_ops=hs.integers(1, 14), n_streams=hs.sampled_from([1, 2, 4]))
+def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
+    f = random_dag(seed, n_ops)
+    args = (torch.randn(5, 6), torch.randn(5, 6))
+    gm = make_fx(f)(*args)
+    r = random.Random(seed)
+    streams = {n.name: r.randrange(n_streams) for n in gm.graph.nodes}
+    order = random_topo_order(gm, r)
+    plan = make_plan(gm, lambda i, n: streams[n.name], n_streams, order=order)
+    prog = generate_ts(gm, plan, TAG)
+    assert _is_ts(prog), prog.notes
+    for _ in range(2):
+        assert_same(prog.fn(*args), gm(*args))
+
+
+def _example(node: torch.fx.Node):
+    v = node.meta["val"]
+    if not isinstance(v, torch.Tensor):
+        return v
+    if v.dtype.is_floating_point:
+        return torch.randn(v.shape, dtype=v.dtype)
+    return torch.zeros(v.shape, dtype=v.dtype)
+
+
+@pytest.mark.parametrize("name", ["inception", "towers"])
+def test_zoo_forward_and_backward_graphs(name):
+    model, inputs = zoo.build(name)
+    if name == "towers":
+        inputs = (torch.randn(8, 64),)
+    cm = autopar.compile(model, streams=2, policy="heft", store=ProfileStore.memory())
+    cm(*inputs).sum().backward()
+    records = [r for r in cm._autopar_pipeline.records if r.plan is not None]
+    assert {r.tag.split(".")[1] for r in records} == {"fw", "bw"}
+    for r in records:
+        prog = generate_ts(r.gm, r.plan, r.tag)
+        assert _is_ts(prog), prog.notes
+        assert len(prog.streams_used) == 2
+        py = generate(r.gm, r.plan, r.tag, executor="python")
+        args = [_example(n) for n in r.gm.graph.nodes if n.op == "placeholder"]
+        with torch.no_grad():
+            want = py.fn(*args)
+            for _ in range(2):
+                got = prog.fn(*args)
+                assert type(got) is type(want) and len(got) == len(want)
+                for a, b in zip(got, want, strict=True):
+                    assert (a is None and b is None) or torch.equal(a, b)
+            with intra_op_threads(1):  # the plan's streams run 1 thread: same reductions
+                eager = r.gm(*args)
+            torch.testing.assert_close(prog.fn(*args), eager, equal_nan=True, rtol=0, atol=0)
