@@ -65,7 +65,11 @@ BW_ARGS = (torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 16))
 def test_serial_plan_is_straight_line_code():
     gm = make_fx(branches)(*ARGS)
     prog = generate(gm, make_plan(gm, lambda i, n: 0, 1), TAG)
-    assert "_rt." not in prog.source and "threading" not in prog.source
+    assert "threading" not in prog.source and "run_streams" not in prog.source
+    # the only runtime call: the plan's intra-op thread count around the straight-line body
+    assert [ln.strip() for ln in prog.source.splitlines() if "_rt." in ln] == [
+        "with _rt.intra_op_threads(1):"
+    ]
     body = prog.source.split("def forward", 1)[1]
     assert re.findall(r"aten\.[\w.]+", body) == re.findall(r"aten\.[\w.]+", gm.code)
     assert_same(prog.fn(*ARGS), gm(*ARGS))

@@ -465,7 +465,9 @@ def generate(
     (out_node,) = [n for n in nodes if n.op == "output"]
     if len(sched.stream_ids) == 1 and not cuda:
         mode = "serial"
-        lines, owners = _emit_serial(sched, local, namer, inputs, out_node)
+        (sid,) = sched.stream_ids
+        threads = next((s.threads for s in plan.streams if s.id == sid), 0)
+        lines, owners = _emit_serial(sched, local, namer, inputs, out_node, threads)
     elif cuda:
         mode = f"cuda, {len(sched.stream_ids)} streams" + (", cuda graph" if cuda_graph else "")
         lines, owners = _emit_cuda(sched, plan, local, namer, inputs, out_node, cuda_graph, tag)
@@ -494,7 +496,7 @@ def _prologue(inputs, local) -> list[str]:
     ]  # fmt: skip
 
 
-def _emit_serial(sched, local, namer, inputs, out_node):
+def _emit_serial(sched, local, namer, inputs, out_node, threads: int = 0):
     ref = lambda n: local[n]
     params = [local[n] for n in inputs if n.op == "placeholder"]
     stmts = [
@@ -507,7 +509,12 @@ def _emit_serial(sched, local, namer, inputs, out_node):
     stmts = _with_deletes(stmts, set())
     lines = [f"def forward({', '.join(params)}):"] + _prologue(inputs, local)
     owners: list = [None] * len(lines)
-    lines += [f"    {s.text}" for s in stmts]
+    indent = "    "
+    if threads > 0:  # the plan's intra-op threads (a no-op when the caller has that many)
+        lines.append(f"    with _rt.intra_op_threads({threads}):")
+        owners.append(None)
+        indent = "        "
+    lines += [f"{indent}{s.text}" for s in stmts]
     owners += [s.node for s in stmts]
     return lines, owners
 

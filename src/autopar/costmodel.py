@@ -235,13 +235,16 @@ def thread_layouts(machine: MachineModel) -> list[tuple[str, tuple[Stream, ...]]
     Example::
 
         >>> [n for n, _ in thread_layouts(MachineModel.default_cpu())]
-        ['1x2', '2x1', 'mixed(2+1)']
+        ['1x2', '1x1', '2x1', 'mixed(2+1)']
     """
     dev, c = machine.device, machine.cores
     if dev.startswith("cuda"):
         return [(f"{k} stream(s)", tuple(Stream(i, dev, 0) for i in range(k))) for k in (1, 2, 4)]
     out = [(f"1x{c}", (Stream(0, "cpu", c),))]
     if c >= 2:
+        # One stream, one thread: wins when threads only add fork/join cost (tiny ops) or
+        # when another process occupies cores and multi-threaded regions stall.
+        out.append(("1x1", (Stream(0, "cpu", 1),)))
         out.append((f"{c}x1", tuple(Stream(i, "cpu", 1) for i in range(c))))
         mixed = (Stream(0, "cpu", c),) + tuple(Stream(i, "cpu", 1) for i in range(1, c))
         out.append((f"mixed({c}+{'+'.join('1' * (c - 1))})", mixed))

@@ -514,7 +514,10 @@ def _plan_graph(graph, streams, policy, machine, budget, graph_id, prov) -> Plan
             if pol == "stages" and not multi_dev:
                 continue
             if pol != "stages" and policy == "auto" and len(lstreams) == 1:
-                continue  # identical to serial
+                if lstreams != serial_streams and pol == wanted[0]:
+                    # another single-stream layout (e.g. 1x1): its serial plan is a candidate
+                    build("serial", lname, lstreams, costs, order, serial_time, bounds[-1])
+                continue  # every policy is serial on one stream
             extra = {"memory_budget": budget} if pol == "stages" else None
             build(pol, lname, lstreams, costs, order, serial_time, bounds[-1], extra)
     return _select(candidates, ser, policy, budget, min(bounds), serial_time, graph, machine, prov)
