@@ -77,7 +77,7 @@ def capture(model: nn.Module, x: torch.Tensor, rewrite: bool) -> tuple[float, in
     )
     start = time.perf_counter()
     if rewrite:
-        with rewrite_rnns(model):
+        with rewrite_rnns(model, rnn_form="unrolled"):
             compiled(x).sum().backward()
     else:
         compiled(x).sum().backward()
@@ -104,7 +104,7 @@ def train_step_time(model: nn.Module, x: torch.Tensor, rewrite: bool, repeats: i
         opt.step()
 
     if rewrite:
-        with rewrite_rnns(model):
+        with rewrite_rnns(model, rnn_form="unrolled"):
             return median_time(step, repeats)
     return median_time(step, repeats)
 

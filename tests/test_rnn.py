@@ -218,7 +218,7 @@ def test_rewrite_matches_eager(case, mode):
     eager_out, eager_grads, _ = _run(net, inputs, torch.float32, w)
     torch._dynamo.reset()
     cap = _Capture()
-    with rewrite_rnns(net) as names:
+    with rewrite_rnns(net, rnn_form="unrolled") as names:
         assert names, "no module was rewritten"
         runner = net if mode == "eager" else torch.compile(net, backend=cap.backend())
         got_out, got_grads, _ = _run(runner, inputs, torch.float32, w)
@@ -311,7 +311,7 @@ def test_rewritten_lstm_hoists_input_projection():
     lstm = nn.LSTM(IN, H, num_layers=2)
     cap = _Capture()
     torch._dynamo.reset()
-    with rewrite_rnns(lstm):
+    with rewrite_rnns(lstm, rnn_form="unrolled"):
         torch.compile(lstm, backend=cap.backend())(torch.randn(5, B, IN))
     fw = cap.targets("fw")
     assert fw["aten.addmm.default"] == 2 * (1 + 5)

@@ -23,6 +23,7 @@ the user's source line. Results are never silently wrong.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import FallbackWarning, warn_fallback
+
+_log = logging.getLogger(__name__)
 
 # The callback that turns a recorded graph into a runner, on the graph's first real call.
 # It gets the record and the real (boxed) argument list, runs the graph once for real and
@@ -154,6 +157,7 @@ class Capture:
 
         k = next(self._counter)
         t0 = time.perf_counter()
+        _fuse_rnn_loops(gm, k)
         try:
             compiler = aot_autograd(
                 fw_compiler=self._compiler(f"g{k}.fw", "forward", t0, k),
@@ -170,6 +174,21 @@ class Capture:
                 "Report the op, or run this part outside the compiled model.",
             )
             return gm.forward
+
+
+def _fuse_rnn_loops(gm: fx.GraphModule, k: int) -> None:
+    """Fuse nn.LSTMCell time loops into oneDNN layer calls (``autopar.rnn_fuse``) before
+    AOTAutograd. Best effort: on any failure the graph stays exactly as Dynamo gave it."""
+    try:
+        from autopar.rnn_fuse import fuse_lstm_cell_loops
+
+        n = fuse_lstm_cell_loops(gm)
+        if n:
+            _log.debug("Dynamo graph %d: fused %d LSTMCell loop(s)", k, n)
+    except Exception:  # noqa: BLE001 - an optimization only: never break capture
+        _log.debug(
+            "Dynamo graph %d: LSTMCell loop fusion failed; graph unchanged", k, exc_info=True
+        )
 
 
 def _first_call_node(gm: fx.GraphModule) -> fx.Node | None:

@@ -10,6 +10,9 @@ projections and run a layer x time wavefront.
 
 :func:`rewrite_rnns` routes ``nn.LSTMCell``, ``nn.GRUCell``, ``nn.LSTM`` and ``nn.GRU``
 submodules through such an implementation while active, using the very same Parameters.
+Whole ``nn.LSTM`` layers may instead run fused (:func:`fused_lstm_layer`: one oneDNN
+``aten.mkldnn_rnn_layer`` per layer, direction and optional time chunk); the per-module
+choice between the forms is measured, see :mod:`autopar.rnn_layers`.
 
 CPU body of the pointwise ops: plain torch ops written to allocate little (in-place
 activations on views of one gates buffer). ATen has no CPU fused-cell helper
@@ -29,17 +32,29 @@ version's gate buffer and keeps the op schemas exactly ``(h, c_new)`` / ``h_new`
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 
 from autopar.errors import CaptureError
 
-__all__ = ["lstm_cell", "gru_cell", "rewrite_rnns", "RNN_MODULE_TYPES"]
+__all__ = [
+    "lstm_cell",
+    "gru_cell",
+    "fused_lstm_layer",
+    "unrolled_lstm_layer",
+    "mkldnn_lstm_usable",
+    "rewrite_rnns",
+    "RNN_MODULE_TYPES",
+    "RNN_FORMS",
+]
+
+#: Forms of nn.LSTM :func:`rewrite_rnns` can run (see :mod:`autopar.rnn_layers`).
+RNN_FORMS = ("unrolled", "fused", "chunked")
 
 #: Module types :func:`rewrite_rnns` rewrites (exact types and their subclasses).
 RNN_MODULE_TYPES = (nn.LSTMCell, nn.GRUCell, nn.LSTM, nn.GRU)
@@ -389,164 +404,106 @@ def _gru_cell_module_forward(self: nn.GRUCell, input: Tensor, hx=None):
     return h if batched else h.squeeze(0)
 
 
-# --------------------------------------------------------------------------- nn.LSTM / nn.GRU
+# --------------------------------------------------------------------------- fused LSTM layer
+
+_HAS_MKLDNN = bool(torch.backends.mkldnn.is_available())
+_MKLDNN_BF16 = _HAS_MKLDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _reject_packed(kind: str, input) -> None:
-    if isinstance(input, PackedSequence):
-        raise CaptureError(
-            f"autopar: nn.{kind} got a PackedSequence, which autopar's RNN rewrite does not "
-            "support (its time steps have varying batch sizes). Fix: pass a padded tensor "
-            "(torch.nn.utils.rnn.pad_packed_sequence) and mask by lengths, or keep this module "
-            'eager with autopar.compile(..., rnn="eager").'
-        )
+def mkldnn_lstm_usable(*tensors: Tensor | None) -> bool:
+    """Can ``aten.mkldnn_rnn_layer`` run an LSTM layer on these tensors (all of one dtype)?
+
+    CPU, float32 (or bfloat16 where oneDNN supports it), non-empty, oneDNN built in and not
+    disabled (``torch.backends.mkldnn.enabled``, read outside Dynamo traces only)."""
+    ts = [t for t in tensors if t is not None]
+    if not _HAS_MKLDNN or not ts or ts[0].numel() == 0:
+        return False
+    if not torch.compiler.is_compiling() and not torch.backends.mkldnn.enabled:
+        return False
+    dtype = ts[0].dtype
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and _MKLDNN_BF16):
+        return False
+    return all(t.dtype == dtype and t.device.type == "cpu" for t in ts)
 
 
-def _layer_params(self: nn.RNNBase, layer: int, direction: int):
-    """The SAME Parameter objects nn.LSTM/nn.GRU use: (w_ih, w_hh, b_ih, b_hh, w_hr)."""
-    sfx = f"_l{layer}" + ("_reverse" if direction else "")
-    w_ih = getattr(self, "weight_ih" + sfx)
-    w_hh = getattr(self, "weight_hh" + sfx)
-    b_ih = getattr(self, "bias_ih" + sfx) if self.bias else None
-    b_hh = getattr(self, "bias_hh" + sfx) if self.bias else None
-    w_hr = getattr(self, "weight_hr" + sfx) if getattr(self, "proj_size", 0) > 0 else None
-    return w_ih, w_hh, b_ih, b_hh, w_hr
+def unrolled_lstm_layer(
+    x: Tensor, w_ih, w_hh, b_ih, b_hh, h0: Tensor, c0: Tensor, *, reverse: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer as one input GEMM over [T*B, I] plus a GEMM and a cell op per step."""
+    ig_steps = F.linear(x, w_ih, b_ih).unbind(0)  # unbind: ONE stack in backward
+    h, c = h0, c0
+    out: list = [None] * x.size(0)
+    for t in range(x.size(0) - 1, -1, -1) if reverse else range(x.size(0)):
+        h, c = _lstm_pointwise(ig_steps[t], F.linear(h, w_hh, b_hh), c)
+        out[t] = h
+    return torch.stack(out), h, c
 
 
-def _run_rnn(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None, batch_major: bool):
-    """Multi-layer (bi)directional recurrence; ``c0 is None`` means GRU.
+def fused_lstm_layer(
+    x: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    h0: Tensor,
+    c0: Tensor,
+    *,
+    reverse: bool = False,
+    train: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer and direction over a whole sequence: ``(out[T,B,H], hy[B,H], cy[B,H])``.
 
-    ``x`` is [T, B, I] (or [B, T, I] if ``batch_major``; only the first layer reads it).
-    Returns (time-major output [T, B, D*H_out], h_n, c_n or None).
-    Each direction's input projection over all timesteps is ONE GEMM on [T*B, I];
-    the recurrence is unrolled: one hgates GEMM + one pointwise custom op per step.
+    ``x`` is time-major ``[T, B, I]``; ``h0``/``c0`` are ``[B, H]``; ``reverse`` runs from
+    ``t = T-1`` down to 0 (nn.LSTM's reverse direction). Where :func:`mkldnn_lstm_usable`,
+    this is ONE ``aten.mkldnn_rnn_layer`` call -- exactly what ``aten::lstm`` runs per layer
+    and direction on CPU, so results are bit-identical to ``nn.LSTM`` -- which Dynamo +
+    AOTAutograd capture as one forward and one ``aten.mkldnn_rnn_layer_backward`` node.
+    Otherwise (CUDA, float64, no oneDNN) it is :func:`unrolled_lstm_layer`.
+    ``train=False`` skips the workspace (forward only: no backward through it).
+
+    The oneDNN op ignores strides, so every tensor is made contiguous first. Missing biases
+    are passed as zeros that do not require grad (no gradient goes anywhere).
+
+    Example::
+
+        out, hy, cy = fused_lstm_layer(x, lstm.weight_ih_l0, lstm.weight_hh_l0,
+                                       lstm.bias_ih_l0, lstm.bias_hh_l0, h0, c0)
     """
-    num_dirs = 2 if self.bidirectional else 1
-    steps = x.size(1) if batch_major else x.size(0)
-    layer_in = x
-    h_last, c_last = [], []
-    for layer in range(self.num_layers):
-        outs = []
-        for d in range(num_dirs):
-            w_ih, w_hh, b_ih, b_hh, w_hr = _layer_params(self, layer, d)
-            flat = layer_in.reshape(-1, layer_in.size(-1))
-            ig_all = F.linear(flat, w_ih, b_ih).view(layer_in.size(0), layer_in.size(1), -1)
-            # unbind, not ig_all[t]: its backward is ONE stack, while T selects would each
-            # scatter into a zero tensor of the full [T, B, 4H] size (O(T^2) traffic).
-            ig_steps = ig_all.unbind(1 if batch_major and layer == 0 else 0)
-            h = h0[layer * num_dirs + d]
-            c = c0[layer * num_dirs + d] if c0 is not None else None
-            out: list = [None] * steps
-            order = range(steps - 1, -1, -1) if d else range(steps)
-            for t in order:
-                igates = ig_steps[t]
-                hgates = F.linear(h, w_hh, b_hh)
-                if c is None:
-                    h = _gru_pointwise(igates, hgates, h)
-                else:
-                    h, c = _lstm_pointwise(igates, hgates, c)
-                    if w_hr is not None:
-                        h = F.linear(h, w_hr)
-                out[t] = h
-            outs.append(torch.stack(out))
-            h_last.append(h)
-            c_last.append(c)
-        layer_out = outs[0] if num_dirs == 1 else torch.cat(outs, dim=2)
-        if self.dropout and self.training and layer < self.num_layers - 1:
-            # Same call, order and (contiguous, time-major) layout as ATen's RNN loop, so
-            # the dropout masks consume the global RNG exactly like eager nn.LSTM/nn.GRU.
-            layer_out = F.dropout(layer_out, self.dropout, True)
-        layer_in = layer_out
-    h_n = torch.stack(h_last)
-    c_n = torch.stack(c_last) if c0 is not None else None
-    return layer_in, h_n, c_n
-
-
-def _lstm_module_forward(self: nn.LSTM, input, hx=None):
-    """``nn.LSTM.forward`` via hoisted input GEMMs and ``autopar::lstm_cell`` steps."""
-    _reject_packed("LSTM", input)
-    if input.dim() not in (2, 3):
-        raise ValueError(f"LSTM: Expected input to be 2D or 3D, got {input.dim()}D instead")
-    batched = input.dim() == 3
-    batch_dim = 0 if self.batch_first else 1
-    if not batched:
-        input = input.unsqueeze(batch_dim)
-    num_dirs = 2 if self.bidirectional else 1
-    real_hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
-    if hx is None:
-        batch = input.size(batch_dim)
-        shape = (self.num_layers * num_dirs, batch)
-        hx = (input.new_zeros(*shape, real_hidden), input.new_zeros(*shape, self.hidden_size))
-    else:
-        want = 3 if batched else 2
-        if hx[0].dim() != want or hx[1].dim() != want:
-            kind = "batched 3-D" if batched else "unbatched 2-D"
-            raise RuntimeError(
-                f"For {kind} input, hx and cx should also be {want}-D but got "
-                f"({hx[0].dim()}-D, {hx[1].dim()}-D) tensors"
-            )
-        if not batched:
-            hx = (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
-    self.check_forward_args(input, hx, None)
-    out, h_n, c_n = _run_rnn(self, input, hx[0], hx[1], batch_major=self.batch_first)
-    if self.batch_first:
-        out = out.transpose(0, 1)
-    if not batched:
-        return out.squeeze(batch_dim), (h_n.squeeze(1), c_n.squeeze(1))
-    return out, (h_n, c_n)
-
-
-def _gru_module_forward(self: nn.GRU, input, hx=None):
-    """``nn.GRU.forward`` via hoisted input GEMMs and ``autopar::gru_cell`` steps."""
-    _reject_packed("GRU", input)
-    if input.dim() not in (2, 3):
-        raise ValueError(f"GRU: Expected input to be 2D or 3D, got {input.dim()}D instead")
-    batched = input.dim() == 3
-    batch_dim = 0 if self.batch_first else 1
-    if not batched:
-        input = input.unsqueeze(batch_dim)
-        if hx is not None:
-            if hx.dim() != 2:
-                raise RuntimeError(
-                    f"For unbatched 2-D input, hx should also be 2-D but got {hx.dim()}-D tensor"
-                )
-            hx = hx.unsqueeze(1)
-    elif hx is not None and hx.dim() != 3:
-        raise RuntimeError(
-            f"For batched 3-D input, hx should also be 3-D but got {hx.dim()}-D tensor"
-        )
-    if hx is None:
-        num_dirs = 2 if self.bidirectional else 1
-        hx = input.new_zeros(self.num_layers * num_dirs, input.size(batch_dim), self.hidden_size)
-    self.check_forward_args(input, hx, None)
-    out, h_n, _ = _run_rnn(self, input, hx, None, batch_major=self.batch_first)
-    if self.batch_first:
-        out = out.transpose(0, 1)
-    if not batched:
-        return out.squeeze(batch_dim), h_n.squeeze(1)
-    return out, h_n
+    if not mkldnn_lstm_usable(x, w_ih, w_hh, b_ih, b_hh, h0, c0) or w_hh.size(1) != h0.size(-1):
+        return unrolled_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse=reverse)
+    has_biases = b_ih is not None
+    if b_ih is None:
+        b_ih = w_ih.new_zeros(w_ih.size(0))
+    if b_hh is None:
+        b_hh = w_hh.new_zeros(w_hh.size(0))
+    args = [t.contiguous() for t in (x, w_ih, w_hh, b_ih, b_hh, h0, c0)]
+    # Always the wrapper op (eager too: its ~20 us dispatch is noise next to a layer), so
+    # graphs traced by any route (Dynamo, or make_fx of an FX graph calling this) work.
+    out, hy, cy, _ = torch.ops.autopar.mkldnn_rnn_layer(*args, reverse, has_biases, train)
+    return out, hy, cy
 
 
 # --------------------------------------------------------------------------- the rewrite
 
-# Subclasses first would not matter: the four types are unrelated to each other.
-_FORWARDS = (
-    (nn.LSTMCell, _lstm_cell_module_forward),
-    (nn.GRUCell, _gru_cell_module_forward),
-    (nn.LSTM, _lstm_module_forward),
-    (nn.GRU, _gru_module_forward),
-)
-
 
 def _replacement(module: nn.Module):
-    for kind, fn in _FORWARDS:
+    # nn.LSTM / nn.GRU forms live in autopar.rnn_layers (which imports this module).
+    from autopar.rnn_layers import gru_module_forward, lstm_module_forward
+
+    forwards = (
+        (nn.LSTMCell, _lstm_cell_module_forward),
+        (nn.GRUCell, _gru_cell_module_forward),
+        (nn.LSTM, lstm_module_forward),
+        (nn.GRU, gru_module_forward),
+    )
+    for kind, fn in forwards:
         if isinstance(module, kind):
             return fn
     return None
 
 
 @contextlib.contextmanager
-def rewrite_rnns(model: nn.Module) -> Iterator[list[str]]:
+def rewrite_rnns(model: nn.Module, *, rnn_form: str | None = None) -> Iterator[list[str]]:
     """Route every LSTM/GRU (cell) submodule of ``model`` through autopar's custom-op form.
 
     While active, each ``nn.LSTMCell``, ``nn.GRUCell``, ``nn.LSTM`` and ``nn.GRU`` in
@@ -555,6 +512,13 @@ def rewrite_rnns(model: nn.Module) -> Iterator[list[str]]:
     reading the module's own Parameters (no copies: ``state_dict()``, ``parameters()`` and
     the user's optimizer are untouched). On exit the modules are exactly as before.
     Yields the qualified names of the rewritten modules.
+
+    ``nn.LSTM`` runs in one of :data:`RNN_FORMS` (``autopar.rnn_layers``): ``"unrolled"``
+    (per-step cell ops), ``"fused"`` (one :func:`fused_lstm_layer` per layer and direction)
+    or ``"chunked"`` (fused calls over k time chunks, a layer x time wavefront). By default
+    each module's form is chosen from measurements at its first call per input shape;
+    ``rnn_form=`` (or env ``AUTOPAR_RNN_FORM``; ``"chunked:4"`` fixes k) forces one.
+    ``nn.GRU`` is always unrolled (oneDNN has no CPU GRU layer in ATen).
 
     Mechanism: an instance attribute ``forward`` (a bound method of the module) shadows
     the class's ``forward`` and is deleted on exit. Dynamo guards on the underlying
@@ -571,7 +535,15 @@ def rewrite_rnns(model: nn.Module) -> Iterator[list[str]]:
         raise CaptureError(
             f"autopar.rnn.rewrite_rnns expects an nn.Module, got {type(model).__name__}."
         )
+    from autopar import rnn_layers
+
+    form = rnn_form if rnn_form is not None else os.environ.get("AUTOPAR_RNN_FORM") or None
+    if form is not None:
+        rnn_layers.parse_form(form)  # a clear error for a bad name, before anything runs
     patched: list[tuple[str, nn.Module]] = []
+    saved_form = rnn_layers.form_override
+    if form is not None:  # else keep an enclosing context's override
+        rnn_layers.form_override = form
     # Dynamo refuses to trace nn.LSTM/GRU/RNN modules unless allow_rnn is set (their eager
     # forward calls _VF.lstm, which AOTAutograd cannot handle); the rewritten forward is
     # plain traceable Python, so allow it while the rewrite is active.
@@ -595,5 +567,10 @@ def rewrite_rnns(model: nn.Module) -> Iterator[list[str]]:
                 patched.append((name, module))
             yield [name for name, _ in patched]
         finally:
+            rnn_layers.form_override = saved_form
             for _, module in patched:
                 module.__dict__.pop("forward", None)
+
+
+# Registers autopar::mkldnn_rnn_layer (fused_lstm_layer's op); at the end: it imports us.
+from autopar import rnn_layers as _rnn_layers  # noqa: E402, F401
