@@ -21,6 +21,29 @@ from autopar.adapt import AdaptOptions, Monitor, align_dynamo_limit, describe_ke
 from autopar.capture import Capture, GraphRecord
 from autopar.errors import warn_fallback
 
+#: Interleaved timed runs per candidate program at the first call (best of them counts).
+MEASURE_ROUNDS = 3
+#: A multi-stream program must take at most this fraction of the serial program's time.
+MEASURE_MARGIN = 0.95
+
+
+def _rerun_safe(gm) -> bool:
+    """Whether running ``gm`` again has no side effects: no op writes its arguments (input
+    mutations such as BatchNorm statistics) and none draws random numbers."""
+    from autopar.codegen import is_rng
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return False
+        if is_rng(node):
+            return False
+    return True
+
 
 class Pipeline:
     """Capture, then for each graph on its first real call: profile -> plan -> codegen."""
@@ -90,6 +113,7 @@ class Pipeline:
         try:
             record.table = table = self.monitor.prepared(record, table)
             plan, program = self.plan_and_generate(record, table)
+            plan, program = self.confirm_by_measurement(record, table, args, plan, program)
         except Exception as exc:  # noqa: BLE001
             # The profiler already ran the graph for real (buffer updates, RNG draws are
             # done): return its outputs and run the captured graph from now on. Running it
@@ -108,6 +132,49 @@ class Pipeline:
         _write_debug(record, debug_dir)
         fn = program.fn
         return out, (lambda a: fn(*a))
+
+    def confirm_by_measurement(self, record: GraphRecord, table, args, plan, program):
+        """Measure, don't assume: time the chosen multi-stream program against the serial
+        program on the real inputs and keep the faster.
+
+        The simulator's overheads for concurrent Python streams (GIL, wake-ups) are
+        calibrated on microbenchmarks and can be off for a given graph; a few runs of both
+        programs at the first call settle it. Graphs that mutate their inputs or draw
+        random numbers are not re-run (their side effects would repeat): the plan stands.
+        Each candidate runs once to warm up, then ``MEASURE_ROUNDS`` interleaved times;
+        the best time of each counts (noise only ever adds time). A multi-stream program
+        must win by ``MEASURE_MARGIN`` to be kept.
+        """
+        from autopar.codegen import generate
+        from autopar.partition import make_plan
+
+        if len(getattr(program, "streams_used", ())) <= 1 or not _rerun_safe(record.gm):
+            return plan, program
+        serial = make_plan(
+            table, policy="serial", memory_budget=self.options.memory_budget,
+            graph_id=record.tag, store=self.store,
+        )  # fmt: skip
+        serial_prog = generate(record.gm, serial, record.tag, provenance=self._provenance())
+        best = {"plan": float("inf"), "serial": float("inf")}
+        fns = {"plan": program.fn, "serial": serial_prog.fn}
+        for fn in fns.values():
+            fn(*args)
+        for _ in range(MEASURE_ROUNDS):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(*args)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        verdict = (
+            f"measured at first call: {plan.policy} on {len(program.streams_used)} streams "
+            f"{best['plan'] * 1e3:.3f} ms vs serial {best['serial'] * 1e3:.3f} ms"
+        )
+        if best["plan"] < MEASURE_MARGIN * best["serial"]:
+            return plan.replace(notes=plan.notes + (verdict + ": kept the plan",)), program
+        serial = serial.replace(notes=serial.notes + (verdict + ": kept serial",))
+        return serial, generate(record.gm, serial, record.tag, provenance=self._provenance())
+
+    def _provenance(self) -> dict:
+        return {"profile_store": str(getattr(self.store, "path", None))}
 
     def plan_and_generate(self, record: GraphRecord, table):
         """Plan ``table`` (one graph's profile) and generate its program (thread-safe: the
@@ -130,7 +197,7 @@ class Pipeline:
             record.gm,
             plan,
             record.tag,
-            provenance={"profile_store": str(getattr(self.store, "path", None))},
+            provenance=self._provenance(),
         )
         record.timings.update(plan=t2 - t1, codegen=time.perf_counter() - t2)
         return plan, program
