@@ -184,3 +184,20 @@ def test_bench_rejects_unknown_model(capsys):
         main(["bench", "--models", "towers,resnet9000"])
     assert exc.value.code == 2
     assert "resnet9000" in capsys.readouterr().err
+
+
+def test_gpu_check_without_cuda_says_so(capsys):
+    """benchmarks/gpu_check.py runs on a lent GPU machine; here it must say why it can't."""
+    import importlib.util
+    import pathlib
+
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+        return
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out

@@ -352,13 +352,22 @@ def minimal_syncs(graph: nx.DiGraph, placement, order, streams, prep=None) -> tu
 
 
 # -- make_plan ---------------------------------------------------------------------------
-def _default_machine(store=None) -> MachineModel:
-    """The calibrated model of this machine, measured once per process."""
-    if "cpu" not in _MACHINE_CACHE:
+def _default_machine(store=None, device: str = "cpu") -> MachineModel:
+    """The calibrated model of this machine's ``device``, measured once per process."""
+    if device not in _MACHINE_CACHE:
         from autopar.costmodel import calibrate
 
-        _MACHINE_CACHE["cpu"] = calibrate(store)
-    return _MACHINE_CACHE["cpu"]
+        _MACHINE_CACHE[device] = calibrate(store, device=device)
+    return _MACHINE_CACHE[device]
+
+
+def graph_device(graph: nx.DiGraph) -> str:
+    """The device a task graph's tensors live on (``"cpu"`` or ``"cuda:N"``): the most
+    common non-empty ``device`` attribute of its nodes."""
+    devices = Counter(str(a.get("device") or "") for _, a in graph.nodes(data=True))
+    devices.pop("", None)
+    devices.pop("nan", None)
+    return devices.most_common(1)[0][0] if devices else "cpu"
 
 
 def _ms(seconds: float) -> str:
@@ -417,7 +426,7 @@ def make_plan(
 
         graph = task_graph_from_profile(graph_or_df)
         prov = [("pass:taskgraph", _ms(time.perf_counter() - t0))]
-    machine = machine or _default_machine(store)
+    machine = machine or _default_machine(store, graph_device(graph))
     parts = _split_graphs(graph)
     if parts is None:
         return _plan_graph(graph, streams, policy, machine, memory_budget, graph_id, prov)

@@ -123,6 +123,9 @@ def task_graph_from_profile(df) -> nx.DiGraph:
             op=str(r.op),
             target=str(r.target),
         )
+    if "device" in df.columns:  # optional: which device's cost model applies
+        for key, dev in zip(df["key"], df["device"], strict=True):
+            g.nodes[key]["device"] = dev if isinstance(dev, str) else ""
     for r in rows:
         inputs = list(r.inputs) if isinstance(r.inputs, Iterable) else []
         sizes = list(r.input_bytes) if isinstance(r.input_bytes, Iterable) else []

@@ -1,0 +1,152 @@
+"""The CUDA path end to end, in one script for a lent GPU machine.
+
+For each zoo model on ``cuda:0``: autopar (1 and 2 CUDA streams) must train like eager
+(outputs, every gradient, one SGD step; judged against a float64 reference by the rule of
+tests/oracle.py), then the training step of eager, ``torch.compile`` (Inductor) and autopar
+is timed interleaved (CUDA-synchronised medians) and the ratios are printed, with
+autopar's predicted against measured time. Last, LSTMs against cuDNN's ``nn.LSTM`` at batch
+1, 16 and 64.
+
+    python benchmarks/gpu_check.py [--steps 20] [--no-inductor] [--models a,b]
+
+Without a CUDA device it says so and exits 0 (CI runs on CPU machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+MODELS = ("inception", "towers", "lstm_cells", "transformer", "deep_mlp")
+FACTOR, ATOL = 2.0, 1e-6
+
+
+def _err(a, ref):
+    return (a.detach().double() - ref.detach().double()).abs().max().item()
+
+
+def check_equivalence(name: str, streams: int) -> str:
+    """'ok' or the first tensor that breaks the fp64-oracle rule."""
+    import autopar
+    from autopar import zoo
+    from autopar.store import ProfileStore
+
+    model, inputs = zoo.build(name)
+    dev = torch.device("cuda:0")
+    model = model.to(dev)
+    xs = [x.to(dev) for x in inputs]
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    comp = autopar.compile(copy.deepcopy(model), streams=streams, store=ProfileStore.memory())
+    results = {}
+    for tag, m, dtype in (("eager", eager, None), ("ref", ref, torch.float64), ("ap", comp, None)):
+        ins = [x.to(dtype) if dtype else x for x in xs]
+        out = m(*ins)
+        out.sum().backward()
+        grads = [p.grad.detach().clone() for p in m.parameters()]
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+        params = [p.detach().clone() for p in m.parameters()]
+        results[tag] = [out.detach()] + grads + params
+    triples = zip(results["ap"], results["eager"], results["ref"], strict=True)
+    for i, (a, e, r) in enumerate(triples):
+        bound = FACTOR * _err(e, r) + ATOL * (1 + r.double().abs().max().item())
+        if _err(a, r) > bound:
+            return f"tensor {i}: autopar error {_err(a, r):.3e} > bound {bound:.3e}"
+    return "ok"
+
+
+def time_steps(contenders: dict, inputs, steps: int) -> dict[str, float]:
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in contenders.items()}
+
+    def step(k):
+        out = contenders[k](*inputs)
+        out.float().sum().backward()
+        opts[k].step()
+        opts[k].zero_grad(set_to_none=True)
+
+    for k in contenders:  # compile + warm up
+        for _ in range(3):
+            step(k)
+    torch.cuda.synchronize()
+    times = {k: [] for k in contenders}
+    for _ in range(steps):
+        for k in contenders:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(k)
+            torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def predicted(cmodel) -> float:
+    recs = cmodel._autopar_pipeline.records
+    return sum(r.plan.predicted_step_time for r in recs if r.plan is not None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--no-inductor", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here: nothing to check (run it on a GPU machine)")
+        return 0
+    import autopar
+    from autopar import zoo
+    from autopar.store import ProfileStore
+
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    failures = 0
+    print("\n== equivalence (fp64 oracle: outputs, grads, params after SGD)")
+    for name in args.models.split(","):
+        for streams in (1, 2):
+            try:
+                verdict = check_equivalence(name, streams)
+            except Exception as exc:  # noqa: BLE001 - report every model, then fail
+                verdict = f"ERROR {type(exc).__name__}: {exc}"
+            failures += verdict != "ok"
+            print(f"{name:12s} streams={streams}: {verdict}")
+    print("\n== training step (median ms, interleaved; eager/x > 1 is faster)")
+    print(f"{'model':12s} {'eager':>9s} {'compile':>9s} {'autopar':>9s} {'ap/eager':>9s} pred")
+    for name in args.models.split(","):
+        model, inputs = zoo.build(name)
+        model = model.cuda()
+        xs = [x.cuda() for x in inputs]
+        cands = {"eager": copy.deepcopy(model)}
+        if not args.no_inductor:
+            cands["compile"] = torch.compile(copy.deepcopy(model))
+        cands["autopar"] = autopar.compile(copy.deepcopy(model), store=ProfileStore.memory())
+        med = time_steps(cands, xs, args.steps)
+        comp = f"{med['compile'] * 1e3:9.3f}" if "compile" in med else f"{'-':>9s}"
+        print(
+            f"{name:12s} {med['eager'] * 1e3:9.3f} {comp} {med['autopar'] * 1e3:9.3f} "
+            f"{med['eager'] / med['autopar']:8.2f}x {predicted(cands['autopar']) * 1e3:.3f}"
+        )
+    print("\n== LSTM (4 layers, hidden 256, 32 steps) vs cuDNN nn.LSTM")
+    for batch in (1, 16, 64):
+        model = zoo.RNNModel("lstm", 64, 256, 4).cuda()
+        x = torch.randn(batch, 32, 64, device="cuda")
+        med = time_steps(
+            {
+                "cudnn": copy.deepcopy(model),
+                "autopar": autopar.compile(copy.deepcopy(model), store=ProfileStore.memory()),
+            },
+            [x],
+            args.steps,
+        )
+        print(
+            f"batch {batch:3d}: cuDNN {med['cudnn'] * 1e3:.3f} ms, autopar "
+            f"{med['autopar'] * 1e3:.3f} ms ({med['cudnn'] / med['autopar']:.2f}x)"
+        )
+    print(f"\n{failures} equivalence failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
