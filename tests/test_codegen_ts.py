@@ -25,6 +25,7 @@ import autopar
 from autopar import zoo
 from autopar.codegen import generate
 from autopar.codegen_ts import FALLBACK_NOTE, generate_ts
+from autopar.partition import make_plan as plan_graph
 from autopar.runtime import intra_op_threads
 from autopar.store import ProfileStore
 
@@ -149,10 +150,14 @@ def test_zoo_forward_and_backward_graphs(name):
     records = [r for r in cm._autopar_pipeline.records if r.plan is not None]
     assert {r.tag.split(".")[1] for r in records} == {"fw", "bw"}
     for r in records:
-        prog = generate_ts(r.gm, r.plan, r.tag)
+        # the HEFT plan itself (the record may hold the serial plan: the first call keeps
+        # whichever program measured faster)
+        one_thread_each = [autopar.Stream(0, "cpu", 1), autopar.Stream(1, "cpu", 1)]
+        plan = plan_graph(r.table, streams=one_thread_each, policy="heft", graph_id=r.tag)
+        prog = generate_ts(r.gm, plan, r.tag)
         assert _is_ts(prog), prog.notes
         assert len(prog.streams_used) == 2
-        py = generate(r.gm, r.plan, r.tag, executor="python")
+        py = generate(r.gm, plan, r.tag, executor="python")
         args = [_example(n) for n in r.gm.graph.nodes if n.op == "placeholder"]
         with torch.no_grad():
             want = py.fn(*args)

@@ -145,3 +145,17 @@ def test_multi_stream_plan_is_confirmed_by_measurement():
     cmodel(x).sum().backward()
     notes = [n for r in cmodel._autopar_pipeline.records for n in r.plan.notes]
     assert any(n.startswith("measured at first call") for n in notes), notes
+
+
+def test_debug_dir_holds_graph_profile_plan_program_and_gantt(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_DEBUG_DIR", str(tmp_path))
+    model, (x,) = zoo.build("mlp")
+    cmodel = autopar.compile(model, streams=2, store=ProfileStore.memory())
+    cmodel(x).sum().backward()
+    for tag in ("g0.fw", "g0.bw"):
+        files = {p.name for p in (tmp_path / tag).iterdir()}
+        assert {"graph.py", "profile.csv", "plan.json", "program.py", "gantt.png"} <= files
+        program = (tmp_path / tag / "program.py").read_text()
+        assert program == next(
+            r.program.source for r in cmodel._autopar_pipeline.records if r.tag == tag
+        )
