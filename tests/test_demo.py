@@ -47,9 +47,9 @@ def test_tiny_demo_runs_and_writes_its_files(tmp_path, capsys):
     assert str(out) in text  # says where the files are
 
 
-def test_tiny_demo_with_lstm_cells(tmp_path, capsys):
+def test_tiny_demo_with_nn_lstm(tmp_path, capsys):
     out = tmp_path / "demo"
-    args = ["demo", *TINY, "--cell", "--out", str(out), "--store", str(tmp_path / "s.json")]
+    args = ["demo", *TINY, "--nn-lstm", "--out", str(out), "--store", str(tmp_path / "s.json")]
     assert main(args) == 0, capsys.readouterr().out
     assert (out / "loss.png").exists()
 
