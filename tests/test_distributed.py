@@ -25,10 +25,10 @@ from autopar.distributed import (
     DistributedError,
     LayerCost,
     build_pipe,
-    compile_multi_device,
     plan_distributed,
     split_candidates,
 )
+from autopar.multigpu import compile_multi_device
 from autopar.step import compile_step
 
 STEPS = 3

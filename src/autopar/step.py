@@ -35,7 +35,6 @@ from autopar.distributed import (
     build_pipe,
     check_consistent,
     comm_error,
-    compile_multi_device,
     is_comm_failure,
     measure_comm,
     plan_distributed,
@@ -43,6 +42,7 @@ from autopar.distributed import (
     setup,
     split_candidates,
 )
+from autopar.multigpu import compile_multi_device
 
 log = logging.getLogger("autopar.step")
 
