@@ -174,7 +174,8 @@ def test_bench_runs_and_writes_json_and_csv(tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     (res,) = doc["results"]
     assert set(res["contenders"]) == {"eager", "autopar"}
-    assert res["autopar"]["predicted_fwbw_ms"] > 0
+    predicted = res["autopar"]["predicted_fwbw_ms"]  # a value reported, not a timing check
+    assert predicted > 0
     rows = out_csv.read_text().splitlines()
     assert rows[0].startswith("model,contender") and len(rows) == 3
 
