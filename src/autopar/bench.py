@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar import zoo
+from autopar.cli import positive_int
 
 
 # -- the models ------------------------------------------------------------------------------
@@ -100,16 +101,6 @@ def _model_list(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autopar bench`` (also used by ``benchmarks/bench_training.py``)."""
     parser.description = (
@@ -127,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=_positive,
+        type=positive_int,
         default=20,
         help="timed training steps per contender; the median is reported (default 20)",
     )
@@ -139,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--streams",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="streams autopar plans for (default: the machine's intra-op thread count)",
     )

@@ -136,6 +136,20 @@ def is_rng(node: fx.Node) -> bool:
     return any("Generator" in str(a.type) for a in op._schema.arguments)
 
 
+def has_side_effects(gm: fx.GraphModule) -> bool:
+    """Whether running ``gm`` again would repeat an effect: a write into an argument (an
+    input mutation such as a BatchNorm statistic) or a draw from the random generator.
+
+    Example::
+
+        >>> has_side_effects(make_fx(lambda x: x.add_(1))(torch.ones(2)))  # doctest: +SKIP
+        True
+    """
+    nodes = list(gm.graph.nodes)
+    _, writes = _buffer_analysis(nodes)
+    return bool(writes) or any(is_rng(n) for n in nodes)
+
+
 def _buffer_analysis(nodes: list[fx.Node]) -> tuple[dict, dict]:
     """``base[n]``: the node owning n's storage; ``writes[n]``: bases that n writes."""
     base: dict[fx.Node, fx.Node] = {}

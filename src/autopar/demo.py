@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.cli import positive_int
+
 VOCAB = 128  # ASCII; other characters become "?"
 
 
@@ -147,16 +149,6 @@ def compare_curves(a: list[float], b: list[float], tol: float) -> tuple[bool, st
 
 
 # -- command line --------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autopar demo``."""
     parser.description = (
@@ -164,15 +156,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "once with eager PyTorch and once with autopar (identical weights and batches); "
         "compare the loss curves and step times and write the plan, Gantt chart and program."
     )
-    parser.add_argument("--hidden", type=_positive, default=128, help="LSTM hidden size")
-    parser.add_argument("--layers", type=_positive, default=2, help="stacked LSTM layers")
-    parser.add_argument("--emb", type=_positive, default=64, help="character embedding size")
-    parser.add_argument("--seq-len", type=_positive, default=32, help="characters per sequence")
-    parser.add_argument("--batch", type=_positive, default=32, help="sequences per batch")
-    parser.add_argument("--steps", type=_positive, default=150, help="training steps")
+    parser.add_argument("--hidden", type=positive_int, default=128, help="LSTM hidden size")
+    parser.add_argument("--layers", type=positive_int, default=2, help="stacked LSTM layers")
+    parser.add_argument("--emb", type=positive_int, default=64, help="character embedding size")
+    parser.add_argument("--seq-len", type=positive_int, default=32, help="characters per sequence")
+    parser.add_argument("--batch", type=positive_int, default=32, help="sequences per batch")
+    parser.add_argument("--steps", type=positive_int, default=150, help="training steps")
     parser.add_argument(
         "--streams",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="streams autopar plans for (default: the machine's intra-op thread count)",
     )
@@ -195,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument(
-        "--corpus-kb", type=_positive, default=300, help="KB of stdlib source to train on"
+        "--corpus-kb", type=positive_int, default=300, help="KB of stdlib source to train on"
     )
     parser.add_argument(
         "--tol",

@@ -27,24 +27,6 @@ MEASURE_ROUNDS = 3
 MEASURE_MARGIN = 0.95
 
 
-def _rerun_safe(gm) -> bool:
-    """Whether running ``gm`` again has no side effects: no op writes its arguments (input
-    mutations such as BatchNorm statistics) and none draws random numbers."""
-    from autopar.codegen import is_rng
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            continue
-        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-            return False
-        if is_rng(node):
-            return False
-    return True
-
-
 class Pipeline:
     """Capture, then for each graph on its first real call: profile -> plan -> codegen."""
 
@@ -145,10 +127,10 @@ class Pipeline:
         the best time of each counts (noise only ever adds time). A multi-stream program
         must win by ``MEASURE_MARGIN`` to be kept.
         """
-        from autopar.codegen import generate
+        from autopar.codegen import generate, has_side_effects
         from autopar.partition import make_plan
 
-        if len(getattr(program, "streams_used", ())) <= 1 or not _rerun_safe(record.gm):
+        if len(getattr(program, "streams_used", ())) <= 1 or has_side_effects(record.gm):
             return plan, program
         serial = make_plan(
             table, policy="serial", memory_budget=self.options.memory_budget,
