@@ -11,10 +11,7 @@ runs (``.fn`` is made by ``exec`` of it; tracebacks show the generated lines).
   ordering constraints of in-place ops (below) and the plan's syncs, reduced with vector
   clocks so a wait already implied by an earlier one is not emitted. Values crossing
   streams travel through per-call slots; every local is deleted after its last use.
-* CUDA plans: the calling thread enqueues all streams' work in plan order on
-  ``torch.cuda.Stream`` objects, ``record`` an event after a producer and ``wait_event`` on
-  the consumer stream, and ``record_stream`` every tensor used on a stream that did not
-  allocate it. ``cuda_graph=True`` wraps the run in ``torch.cuda.graph`` (static shapes).
+* CUDA plans: streams and events, emitted by ``autopar.codegen_cuda``.
 
 In-place ops and views. A node whose aten schema writes an argument (``alias_info.is_write``,
 e.g. ``copy_``, ``add_``) writes the whole buffer of that argument; views share their base's
@@ -53,6 +50,7 @@ import math
 import operator
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,13 +136,7 @@ def is_rng(node: fx.Node) -> bool:
 
 def has_side_effects(gm: fx.GraphModule) -> bool:
     """Whether running ``gm`` again would repeat an effect: a write into an argument (an
-    input mutation such as a BatchNorm statistic) or a draw from the random generator.
-
-    Example::
-
-        >>> has_side_effects(make_fx(lambda x: x.add_(1))(torch.ones(2)))  # doctest: +SKIP
-        True
-    """
+    input mutation such as a BatchNorm statistic) or a draw from the random generator."""
     nodes = list(gm.graph.nodes)
     _, writes = _buffer_analysis(nodes)
     return bool(writes) or any(is_rng(n) for n in nodes)
@@ -407,18 +399,12 @@ def _header(plan: Plan, tag: str, provenance: dict | None, notes: list[str], mod
         f"(serial {plan.serial_time * 1e3:.3f} ms, bound {plan.lower_bound * 1e3:.3f} ms)",
         f"profile store:  {prov.get('store', prov.get('profile_store', 'unknown'))}",
         f"torch:          {torch.__version__}",
-        f"autopar:        {_autopar_version()}",
+        f"autopar:        {getattr(sys.modules.get('autopar'), '__version__', 'unknown')}",
         f"generated:      {datetime.datetime.now().isoformat(timespec='seconds')}",
     ]
     lines += [f"{k}: {v}" for k, v in prov.items() if k not in ("store", "profile_store")]
     lines += [f"note: {x}" for x in notes]
     return "".join(f"# {ln}\n" for ln in lines)
-
-
-def _autopar_version() -> str:
-    import autopar
-
-    return getattr(autopar, "__version__", "unknown")
 
 
 def generate(
