@@ -7,8 +7,9 @@ Run::
     .venv/bin/python benchmarks/bench_lstm.py --config h128 --threads 1
 
 Configs (input 64, 32 steps, batch 16): a 4-layer LSTM at hidden 256 and 128, a
-bidirectional 2-layer LSTM at hidden 256 (4 layer-directions), and a 4-layer GRU at 256.
-Variants per config: eager ``nn.LSTM`` (ATen's fused oneDNN layer loop), ``autopar.compile``
+bidirectional 2-layer LSTM at hidden 256 (4 layer-directions), and the same three as GRUs.
+Variants per config: eager ``nn.LSTM`` (ATen's fused oneDNN layer loop) or ``nn.GRU``
+(ATen's C++ loop of cell ops; oneDNN has no CPU GRU layer), ``autopar.compile``
 with the default (measured) form choice, and autopar with each form forced through
 ``AUTOPAR_RNN_FORM`` (``autopar.rnn_layers``). A step is forward + backward + SGD.
 
@@ -35,6 +36,8 @@ CONFIGS = {
     "h128": dict(kind="lstm", hidden=128, layers=4, bidirectional=False),
     "bidir": dict(kind="lstm", hidden=256, layers=2, bidirectional=True),
     "gru": dict(kind="gru", hidden=256, layers=4, bidirectional=False),
+    "gru_h128": dict(kind="gru", hidden=128, layers=4, bidirectional=False),
+    "gru_bidir": dict(kind="gru", hidden=256, layers=2, bidirectional=True),
 }
 FORMS = ("unrolled", "fused", "chunked:2", "chunked:4")
 INPUT, STEPS, BATCH = 64, 32, 16
@@ -66,7 +69,7 @@ def run_config(name: str, rounds: int, steps: int, threads: int | None) -> dict:
     base = Net(**cfg)
     x = torch.randn(STEPS, BATCH, INPUT)
     variants = {"eager": (base, None)}
-    forms = ("default",) + (FORMS if cfg["kind"] == "lstm" else ())
+    forms = ("default",) + FORMS
     for form in forms:
         model = Net(**cfg)
         model.load_state_dict(base.state_dict())
@@ -92,7 +95,7 @@ def run_config(name: str, rounds: int, steps: int, threads: int | None) -> dict:
                 _step(model, opts[key], x)
             times[key].append((time.perf_counter() - t0) / steps)
     os.environ.pop("AUTOPAR_RNN_FORM", None)
-    from autopar.rnn_layers import _CHOICES
+    from autopar.rnn_layers import _CHOICES  # the chooser's cache
 
     chosen = sorted({f"{f}:{k}" if f == "chunked" else f for f, k in _CHOICES.values()})
     return {

@@ -1,4 +1,4 @@
-"""autopar.rnn_layers: the fused / chunked nn.LSTM forms (oneDNN per layer) and the choice.
+"""autopar.rnn_layers: fused / chunked nn.LSTM and nn.GRU forms (one op per layer), the choice.
 
 Accuracy: the fp64-oracle rule of tests/oracle.py on outputs, h_n, c_n and every gradient.
 """
@@ -16,6 +16,7 @@ from oracle import assert_close_to_oracle, check_training
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
+import autopar.rnn_choice as rc
 import autopar.rnn_layers as rl
 from autopar.rnn import fused_lstm_layer, mkldnn_lstm_usable, rewrite_rnns, unrolled_lstm_layer
 
@@ -36,11 +37,13 @@ def _one_thread():
 
 
 class Net(nn.Module):
-    def __init__(self, **kw):
+    def __init__(self, kind="lstm", **kw):
         super().__init__()
-        self.rnn = nn.LSTM(IN, H, **kw)
+        self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(IN, H, **kw)
 
     def forward(self, x, *state):
+        if isinstance(self.rnn, nn.GRU):
+            return self.rnn(x, state[0] if state else None)
         out, (h, c) = self.rnn(x, tuple(state) if state else None)
         return out, h, c
 
@@ -52,7 +55,8 @@ def _inputs(rnn: nn.LSTM, batched=True, with_state=False):
     if with_state:
         n = rnn.num_layers * (2 if rnn.bidirectional else 1)
         lead = (B,) if batched else ()
-        xs += [torch.randn(n, *lead, H, generator=g, dtype=torch.float64) for _ in range(2)]
+        states = 2 if isinstance(rnn, nn.LSTM) else 1
+        xs += [torch.randn(n, *lead, H, generator=g, dtype=torch.float64) for _ in range(states)]
     return xs
 
 
@@ -88,10 +92,11 @@ CASES = {
 @pytest.mark.parametrize("mode", ["eager", "aot"])
 @pytest.mark.parametrize("form", ["fused", "chunked:3"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fused_forms_match_eager_lstm(case, form, mode):
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fused_forms_match_eager(kind, case, form, mode):
     kw, batched, with_state = CASES[case]
     torch.manual_seed(0)
-    net = Net(**kw)
+    net = Net(kind, **kw)
     inputs = _inputs(net.rnn, batched, with_state)
     ref_out, ref_grads, w = _run(copy.deepcopy(net).double(), inputs, torch.float64)
     eager_out, eager_grads, _ = _run(net, inputs, torch.float32, w)
@@ -114,7 +119,7 @@ def test_fused_forms_match_eager_lstm(case, form, mode):
     for k, (a, e, r) in enumerate(zip(got_out, eager_out, ref_out, strict=True)):
         assert a.shape == e.shape, (k, a.shape, e.shape)
         assert_close_to_oracle(f"{case}/{form}/{mode} output {k}", a, e, r)
-        if form == "fused":  # the very op aten::lstm runs on CPU: bit-identical
+        if form == "fused" and kind == "lstm":  # the op aten::lstm runs on CPU: bit-identical
             assert torch.equal(a, e), f"output {k}"
     assert got_grads.keys() == eager_grads.keys()
     for name in got_grads:
@@ -123,9 +128,13 @@ def test_fused_forms_match_eager_lstm(case, form, mode):
         fw, bw = _targets(graphs["fw"]), _targets(graphs["bw"])
         layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
         calls = layers * (1 if form == "fused" else 3)
-        assert fw["autopar.mkldnn_rnn_layer.default"] == calls, fw
-        assert bw["aten.mkldnn_rnn_layer_backward.default"] == calls, bw
-        assert not any("lstm_cell" in t for t in fw), fw
+        op, op_bw = {
+            "lstm": ("autopar.mkldnn_rnn_layer", "aten.mkldnn_rnn_layer_backward"),
+            "gru": ("autopar.gru_layer", "autopar.gru_layer_backward"),
+        }[kind]
+        assert fw[op + ".default"] == calls, fw
+        assert bw[op_bw + ".default"] == calls, bw
+        assert not any("_cell" in t for t in fw), fw
         assert len(graphs["fw"]) == 1, "graph break in the fused forward"
 
 
@@ -161,10 +170,11 @@ def test_fused_lstm_layer_helper_and_fallback():
 
 def test_proj_size_and_float64_stay_unrolled():
     net = nn.LSTM(IN, H, proj_size=4)
-    assert rl._lstm_form(net, torch.randn(T, B, IN), (torch.zeros(1, B, 4),) * 2)[0] == "unrolled"
+    h0, c0 = torch.zeros(1, B, 4), torch.zeros(1, B, H)
+    assert rl._rnn_form(net, torch.randn(T, B, IN), h0, c0)[0] == "unrolled"
     net64 = nn.LSTM(IN, H).double()
     x = torch.randn(T, B, IN, dtype=torch.float64)
-    assert rl._lstm_form(net64, x, (torch.zeros(1, B, H).double(),) * 2)[0] == "unrolled"
+    assert rl._rnn_form(net64, x, *(torch.zeros(1, B, H).double(),) * 2)[0] == "unrolled"
 
 
 # --------------------------------------------------------------------------- the choice
@@ -174,44 +184,44 @@ def _spec(**kw):
     base = dict(steps=32, batch=16, input=64, hidden=128, layers=4, dirs=1, bias=True)
     base.update(dtype="float32", barrier=False)
     base.update(kw)
-    return rl.LSTMSpec(**base)
+    return rc.RNNSpec(**base)
 
 
 def _fake_timings(spec, unrolled, full_default, full_half):
     """Fused piece times linear in steps: (t_default, t_half) per distinct piece shape."""
     t = {"unrolled": unrolled}
-    for k in (1, *rl.CHUNK_CANDIDATES):
-        for _, _, shape in rl._pieces(spec, k):
+    for k in (1, *rc.CHUNK_CANDIDATES):
+        for _, _, shape in rc._pieces(spec, k):
             frac = shape[1] / spec.steps
             t[shape] = (full_default * frac + 1e-4, full_half * frac + 1e-4)
     return t
 
 
 def test_choice_is_deterministic_given_timings(monkeypatch):
-    monkeypatch.setattr(rl, "_cores", lambda: 2)
+    monkeypatch.setattr(rc, "_cores", lambda: 2)
     spec = _spec()
     # Threads help each piece (half-thread pieces 2x slower): one stream, fused.
     t = _fake_timings(spec, (1.0, 1.0), full_default=0.01, full_half=0.02)
-    assert rl.choose_lstm_form(spec, t)[0] == ("fused", 1)
+    assert rc.choose_rnn_form(spec, t)[0] == ("fused", 1)
     # Threads do not help: the wavefront on two half-thread streams wins.
     t = _fake_timings(spec, (1.0, 1.0), full_default=0.01, full_half=0.01)
-    choice, pred = rl.choose_lstm_form(spec, t)
+    choice, pred = rc.choose_rnn_form(spec, t)
     assert choice[0] == "chunked" and pred[choice] < 0.9 * pred[("fused", 1)]
-    assert choice == rl.choose_lstm_form(spec, t)[0]
+    assert choice == rc.choose_rnn_form(spec, t)[0]
     # ... unless two pieces at once measured no faster than one after the other (busy core).
-    assert rl.choose_lstm_form(spec, t | {"pair": 1.0})[0] == ("fused", 1)
+    assert rc.choose_rnn_form(spec, t | {"pair": 1.0})[0] == ("fused", 1)
     # Unrolled measured fastest by far.
     t = _fake_timings(spec, (0.001, 0.002), full_default=0.01, full_half=0.02)
-    assert rl.choose_lstm_form(spec, t)[0] == ("unrolled", 1)
+    assert rc.choose_rnn_form(spec, t)[0] == ("unrolled", 1)
     # Dropout between layers (barrier): chunked is not a candidate.
     spec_d = _spec(barrier=True)
     t = _fake_timings(spec_d, (1.0, 1.0), full_default=0.01, full_half=0.01)
-    choice, pred = rl.choose_lstm_form(spec_d, t)
+    choice, pred = rc.choose_rnn_form(spec_d, t)
     assert choice == ("fused", 1) and all(f != "chunked" for f, _ in pred)
     # Bidirectional, threads useless: the two directions run concurrently (fused ~ halved).
     spec_b = _spec(dirs=2, layers=2)
     t = _fake_timings(spec_b, (1.0, 1.0), full_default=0.01, full_half=0.01)
-    _, pred = rl.choose_lstm_form(spec_b, t)
+    _, pred = rc.choose_rnn_form(spec_b, t)
     assert pred[("fused", 1)] < 0.6 * 4 * 0.0101
 
 
@@ -222,7 +232,7 @@ def test_choice_measured_once_cached_logged_and_overridable(monkeypatch, caplog)
         calls.append(spec)
         return _fake_timings(spec, (1e-3, 1e-3), full_default=0.01, full_half=0.02)
 
-    monkeypatch.setattr(rl, "measure_lstm_forms", fake_measure)
+    monkeypatch.setattr(rl, "measure_rnn_forms", fake_measure)
     rl.clear_choices()
     net = nn.LSTM(IN, H, num_layers=2)
     x = torch.randn(T, B, IN)
@@ -235,7 +245,7 @@ def test_choice_measured_once_cached_logged_and_overridable(monkeypatch, caplog)
     monkeypatch.setenv("AUTOPAR_RNN_FORM", "chunked:2")
     with rewrite_rnns(net):
         assert rl.form_override == "chunked:2"
-        assert rl._lstm_form(net, x, (torch.zeros(2, B, H),) * 2) == ("chunked", 2)
+        assert rl._rnn_form(net, x, *(torch.zeros(2, B, H),) * 2) == ("chunked", 2)
     assert rl.form_override is None and len(calls) == 1
     monkeypatch.setenv("AUTOPAR_RNN_FORM", "bogus")
     with pytest.raises(ValueError, match="unknown RNN form"), rewrite_rnns(net):
@@ -247,14 +257,14 @@ def test_real_measurement_keeps_rng_and_returns_all_shapes():
     spec = _spec(steps=4, batch=2, input=3, hidden=4, layers=2)
     torch.manual_seed(5)
     state = torch.get_rng_state()
-    t = rl.measure_lstm_forms(spec)
+    t = rc.measure_rnn_forms(spec)
     assert torch.equal(torch.get_rng_state(), state)
-    choice, pred = rl.choose_lstm_form(spec, t)
+    choice, pred = rc.choose_rnn_form(spec, t)
     assert choice in pred and all(v > 0 for v in pred.values())
 
 
 def test_gru_cannot_use_onednn():
-    """Documented: mkldnn_rnn_layer has no GRU mode on CPU, so nn.GRU stays unrolled."""
+    """Documented: mkldnn_rnn_layer has no GRU mode on CPU (hence autopar::gru_layer)."""
     g = nn.GRU(IN, H)
     z = torch.zeros(B, H)
     with pytest.raises(RuntimeError):
@@ -265,14 +275,15 @@ def test_gru_cannot_use_onednn():
 
 
 @pytest.mark.parametrize("form", ["fused", "chunked:2"])
-def test_autopar_compile_trains_like_eager(form, monkeypatch):
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_autopar_compile_trains_like_eager(kind, form, monkeypatch):
     """The whole pipeline (capture, profile, plan, worker streams) on the fused forms."""
     import autopar
     from autopar.store import ProfileStore
 
     monkeypatch.setenv("AUTOPAR_RNN_FORM", form)
     torch.manual_seed(0)
-    net = Net(num_layers=2, bidirectional=True)
+    net = Net(kind, num_layers=2, bidirectional=True)
     x = torch.randn(T, B, IN)
     torch._dynamo.reset()
     check_training(net, [x], lambda m: autopar.compile(m, streams=2, store=ProfileStore.memory()))

@@ -53,7 +53,7 @@ __all__ = [
     "RNN_FORMS",
 ]
 
-#: Forms of nn.LSTM :func:`rewrite_rnns` can run (see :mod:`autopar.rnn_layers`).
+#: Forms of nn.LSTM / nn.GRU :func:`rewrite_rnns` can run (see :mod:`autopar.rnn_layers`).
 RNN_FORMS = ("unrolled", "fused", "chunked")
 
 #: Module types :func:`rewrite_rnns` rewrites (exact types and their subclasses).
@@ -513,12 +513,13 @@ def rewrite_rnns(model: nn.Module, *, rnn_form: str | None = None) -> Iterator[l
     the user's optimizer are untouched). On exit the modules are exactly as before.
     Yields the qualified names of the rewritten modules.
 
-    ``nn.LSTM`` runs in one of :data:`RNN_FORMS` (``autopar.rnn_layers``): ``"unrolled"``
-    (per-step cell ops), ``"fused"`` (one :func:`fused_lstm_layer` per layer and direction)
-    or ``"chunked"`` (fused calls over k time chunks, a layer x time wavefront). By default
-    each module's form is chosen from measurements at its first call per input shape;
-    ``rnn_form=`` (or env ``AUTOPAR_RNN_FORM``; ``"chunked:4"`` fixes k) forces one.
-    ``nn.GRU`` is always unrolled (oneDNN has no CPU GRU layer in ATen).
+    ``nn.LSTM`` and ``nn.GRU`` run in one of :data:`RNN_FORMS` (``autopar.rnn_layers``):
+    ``"unrolled"`` (per-step cell ops), ``"fused"`` (one :func:`fused_lstm_layer` or
+    ``fused_gru_layer`` per layer and direction) or ``"chunked"`` (fused calls over k time
+    chunks, a layer x time wavefront). By default each module's form is chosen from
+    measurements at its first call per input shape; ``rnn_form=`` (or env
+    ``AUTOPAR_RNN_FORM``; ``"chunked:4"`` fixes k) forces one.
+    The fused GRU layer is :mod:`autopar.rnn_gru` (oneDNN has no CPU GRU layer in ATen).
 
     Mechanism: an instance attribute ``forward`` (a bound method of the module) shadows
     the class's ``forward`` and is deleted on exit. Dynamo guards on the underlying

@@ -1,51 +1,42 @@
 """``nn.LSTM`` / ``nn.GRU`` under :func:`autopar.rnn.rewrite_rnns`: three forms and the choice.
 
-Forms of an ``nn.LSTM`` (all read the module's own Parameters):
+Forms (all read the module's own Parameters):
 
 ``unrolled``
     per layer and direction one input GEMM over all steps, then per step one ``F.linear``
-    and one ``autopar::lstm_cell`` (many small nodes; the planner sees every step).
+    and one ``autopar::lstm_cell`` / ``autopar::gru_cell`` (many small nodes; the planner
+    sees every step).
 ``fused``
-    per layer and direction ONE :func:`autopar.rnn.fused_lstm_layer`
+    per layer and direction ONE layer op: :func:`autopar.rnn.fused_lstm_layer`
     (``aten.mkldnn_rnn_layer``, what ``aten::lstm`` runs on CPU: bit-identical to eager
-    ``nn.LSTM``). The two directions of a bidirectional layer are independent nodes, so the
-    planner can run them concurrently on two streams.
+    ``nn.LSTM``) or :func:`autopar.rnn_gru.fused_gru_layer` (``autopar::gru_layer``: ATen's
+    GRU loop forward, a batched-recompute backward; oneDNN has no CPU GRU layer). The two
+    directions of a bidirectional layer are independent nodes, so the planner can run them
+    concurrently on two streams.
 ``chunked`` (k)
     each layer's sequence split into k time chunks, one fused call per (layer, direction,
-    chunk), ``hy``/``cy`` chained from chunk to chunk. Layer l chunk j and layer l+1 chunk
-    j-1 are independent: a layer x time wavefront (FlexFlow-style) for the planner. Equal to
-    ``fused`` within fp32 rounding (the oneDNN kernel is the same; only the GEMM blocking
+    chunk), the state (``hy``/``cy``) chained from chunk to chunk. Layer l chunk j and layer
+    l+1 chunk j-1 are independent: a layer x time wavefront (FlexFlow-style) for the
+    planner. Equal to ``fused`` within fp32 rounding (same kernels; only the GEMM blocking
     over time differs).
 
-Choice (per module input shape; :func:`choose_lstm_form`): at the first call of a shape
-under ``rewrite_rnns`` each form is timed forward+backward on random data of the actual
-shapes (throw-away copies of the weights; best of a few reps), at the default intra-op
-thread count and at half of it. The whole unrolled module is timed as it is (no credit for
-concurrency: its per-step ops are dispatch/GIL bound). Fused and chunked pieces are timed
-one call each and combined by a list-scheduling model of their dependency graph: either one
-stream at the default thread count (sum of the pieces) or two streams at half the threads
-(greedy earliest-finish schedule, one ``sync_s`` per cross-stream edge), each piece slowed
-by the measured speedup of two pieces run at once on two threads (a busy or shared second
-core gives ~1x, so concurrency is then not counted on). The lowest
-prediction wins; another form must beat ``fused`` by ``MARGIN`` (25%; fused equals eager
-``nn.LSTM``, the baseline). Choices are cached in memory per shape key and thread count
-(not in the profile store: a choice depends on the machine's load) and logged on the
-``"autopar"`` logger. Dynamo traces the choice as a constant
+Choice (per module input shape; :mod:`autopar.rnn_choice`): each form is timed at the first
+call of a shape and a list-scheduling model of the pieces predicts one and two streams;
+another form must beat ``fused`` by 25%. Choices are cached in memory per shape key and
+thread count and logged on the ``"autopar"`` logger. Dynamo traces the choice as a constant
 (``torch._dynamo.assume_constant_result``), so the timing runs once, outside the graph.
 Override: ``rewrite_rnns(model, rnn_form="fused")`` or env ``AUTOPAR_RNN_FORM`` (read when
 the context is entered): ``unrolled``, ``fused``, ``chunked`` or ``chunked:<k>``.
 
-Fallbacks: ``proj_size > 0`` or a device/dtype oneDNN cannot run (CUDA, float64, ...) is
-always ``unrolled``; PackedSequence is rejected (as before).
+Fallbacks: an LSTM with ``proj_size > 0`` or a device/dtype oneDNN cannot run (CUDA,
+float64, ...) is always ``unrolled``; a GRU off the CPU too (CUDA runs the Triton cell
+kernels); PackedSequence is rejected (as before).
 
 Dropout (train mode, between layers): ``F.dropout`` on each layer's whole (direction-
-concatenated, time-major, contiguous) output, the same call and order as ATen's oneDNN RNN
-loop, so masks consume the global RNG exactly like eager ``nn.LSTM``. In the chunked form
-this makes every layer a barrier (the chunks are re-split after the dropout), so the
+concatenated, time-major, contiguous) output, the same call and order as ATen's RNN loop,
+so masks consume the global RNG exactly like eager ``nn.LSTM``/``nn.GRU``. In the chunked
+form this makes every layer a barrier (the chunks are re-split after the dropout), so the
 chooser does not consider ``chunked`` when dropout is active.
-
-``nn.GRU`` is always unrolled: ``mkldnn_rnn_layer`` with mode 3 (GRU) fails on CPU
-("could not create a primitive descriptor for the LSTM forward propagation primitive").
 
 Example::
 
@@ -56,11 +47,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
-import os
-import threading
-import time
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,30 +61,21 @@ from autopar.rnn import (
     fused_lstm_layer,
     mkldnn_lstm_usable,
 )
+from autopar.rnn_choice import RNNSpec, _name, choose_rnn_form, measure_rnn_forms
+from autopar.rnn_gru import fused_gru_layer, gru_layer_usable
 
 __all__ = [
-    "LSTMSpec",
-    "choose_lstm_form",
     "clear_choices",
     "gru_module_forward",
     "lstm_module_forward",
-    "measure_lstm_forms",
     "parse_form",
-    "predict_lstm_form",
 ]
 
 log = logging.getLogger("autopar")
 
 #: Set by ``rewrite_rnns(rnn_form=...)`` / ``AUTOPAR_RNN_FORM`` while the context is active.
 form_override: str | None = None
-CHUNK_CANDIDATES = (2, 4)  # k the chooser tries
 DEFAULT_CHUNKS = 4  # k of a forced "chunked"
-# unrolled/chunked must be predicted this much faster than fused. 0.25, not less: on the
-# 2-core box (quiet, 2 threads) the model predicted chunked:2 ahead of fused at hidden 256
-# and 128, and it measured 0.87x and 0.71x of eager against fused 0.95x and 0.88x.
-MARGIN = 0.25
-SYNC_S = 50e-6  # one cross-stream handoff in the prediction (events + wake-up)
-REPS = 3  # timed reps per measurement (best of), after one warm-up
 
 _CHOICES: dict[tuple, tuple[str, int]] = {}
 
@@ -196,184 +173,6 @@ _mkldnn_rnn_layer_op.register_autograd(_mkldnn_backward, setup_context=_mkldnn_s
 # --------------------------------------------------------------------------- the choice
 
 
-class LSTMSpec(NamedTuple):
-    """Shape key of one nn.LSTM call (``barrier``: train-mode dropout between layers)."""
-
-    steps: int
-    batch: int
-    input: int
-    hidden: int
-    layers: int
-    dirs: int
-    bias: bool
-    dtype: str
-    barrier: bool
-
-
-def _chunk_lengths(steps: int, k: int) -> list[int]:
-    """The time lengths ``torch.chunk(x, k)`` gives (it may give fewer than k chunks)."""
-    size = math.ceil(steps / k)
-    return [min(size, steps - s) for s in range(0, steps, size)]
-
-
-def _pieces(spec: LSTMSpec, k: int):
-    """Pieces (layer, dir, chunk) in issue order, with their deps and (input size, steps)."""
-    lens = _chunk_lengths(spec.steps, k)
-    n = len(lens)
-    out = []
-    for layer in range(spec.layers):
-        in_size = spec.input if layer == 0 else spec.hidden * spec.dirs
-        for d in range(spec.dirs):
-            for j in range(n - 1, -1, -1) if d else range(n):
-                deps = []
-                prev = j + 1 if d else j - 1
-                if 0 <= prev < n:
-                    deps.append((layer, d, prev))
-                if layer:  # layer input chunk(s): both directions' outputs
-                    js = range(n) if spec.barrier else (j,)
-                    deps += [(layer - 1, dd, jj) for dd in range(spec.dirs) for jj in js]
-                out.append(((layer, d, j), deps, (in_size, lens[j])))
-    return out
-
-
-def _makespan(pieces, cost: dict, streams: int, sync_s: float) -> float:
-    """Greedy list schedule: the ready piece that can start first, on its fastest stream."""
-    free = [0.0] * streams
-    done: dict = {}  # piece -> (finish, stream)
-    todo = list(pieces)
-    while todo:
-        best = None
-        for i, (_, deps, shape) in enumerate(todo):
-            if any(d not in done for d in deps):
-                continue
-            for s in range(streams):
-                ready = max(
-                    [free[s]] + [done[d][0] + (sync_s if done[d][1] != s else 0.0) for d in deps]
-                )
-                if best is None or ready + cost[shape] < best[0]:
-                    best = (ready + cost[shape], s, i)
-        finish, s, i = best
-        free[s] = finish
-        done[todo.pop(i)[0]] = (finish, s)
-    return max(f for f, _ in done.values())
-
-
-def predict_lstm_form(spec: LSTMSpec, form: str, k: int, timings: dict, sync_s=SYNC_S) -> float:
-    """Predicted forward+backward seconds of one form from :func:`measure_lstm_forms`'s
-    ``timings``: ``"unrolled"`` -> (t_default, t_half) of the whole module,
-    ``(input_size, steps)`` -> (t_default, t_half) of one fused call, and ``"pair"`` -> the
-    measured speedup (1..2) of two such calls run at once on two threads vs one after the
-    other (1: the second core is busy or shared; concurrency buys nothing)."""
-    if form == "unrolled":
-        return min(timings["unrolled"])
-    pieces = _pieces(spec, k if form == "chunked" else 1)
-    serial = sum(timings[shape][0] for _, _, shape in pieces)
-    if _cores() < 2:
-        return serial
-    slow = 2.0 / min(2.0, max(1.0, timings.get("pair", 2.0)))  # per piece, when overlapped
-    half = {key: t[1] * slow for key, t in timings.items() if isinstance(key, tuple)}
-    return min(serial, _makespan(pieces, half, 2, sync_s))
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def choose_lstm_form(spec: LSTMSpec, timings: dict, sync_s=SYNC_S):
-    """``((form, k), {candidate: predicted seconds})`` -- deterministic given ``timings``."""
-    cands = [("fused", 1), ("unrolled", 1)]
-    if not spec.barrier:
-        cands += [("chunked", k) for k in CHUNK_CANDIDATES if k <= spec.steps]
-    pred = {c: predict_lstm_form(spec, *c, timings, sync_s) for c in cands}
-    fast = [c for c in cands[1:] if pred[c] < pred[("fused", 1)] * (1 - MARGIN)]
-    return min(fast, key=lambda c: (pred[c], cands.index(c)), default=("fused", 1)), pred
-
-
-def _name(choice: tuple[str, int]) -> str:
-    return f"chunked:{choice[1]}" if choice[0] == "chunked" else choice[0]
-
-
-def _time(fn) -> float:
-    fn()
-    best = math.inf
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_lstm_forms(spec: LSTMSpec) -> dict:
-    """Time the unrolled module and every distinct fused piece (see the module doc).
-
-    The global RNG is left as it was (the user's dropout masks must not change)."""
-    with torch.random.fork_rng(devices=[]):
-        return _measure(spec)
-
-
-def _measure(spec: LSTMSpec) -> dict:
-    from autopar.runtime import intra_op_threads
-
-    dtype = getattr(torch, spec.dtype)
-    bidir = spec.dirs == 2
-    lstm = nn.LSTM(
-        spec.input, spec.hidden, spec.layers, spec.bias, bidirectional=bidir, dtype=dtype
-    )
-    x = torch.randn(spec.steps, spec.batch, spec.input, dtype=dtype)
-    zeros = x.new_zeros(spec.layers * spec.dirs, spec.batch, spec.hidden)
-
-    def unrolled():
-        out, h, c = _run_rnn(lstm, x, zeros, zeros, False)
-        out.sum().backward()
-
-    def piece(in_size, steps):
-        xp = torch.randn(steps, spec.batch, in_size, dtype=dtype, requires_grad=True)
-        w = [p.detach().clone().requires_grad_() for p in (lstm.weight_ih_l0, lstm.weight_hh_l0)]
-        if in_size != spec.input:
-            w[0] = torch.randn(4 * spec.hidden, in_size, dtype=dtype, requires_grad=True)
-        b = [torch.zeros(4 * spec.hidden, dtype=dtype, requires_grad=True)] * 2
-        b = b if spec.bias else [None, None]
-        h0 = zeros[0]
-
-        def run():
-            out, hy, cy = fused_lstm_layer(xp, *w, *b, h0, h0)
-            out.sum().backward()
-
-        return run
-
-    shapes = {shape for k in (1, *CHUNK_CANDIDATES) for _, _, shape in _pieces(spec, k)}
-    half = max(1, torch.get_num_threads() // 2)
-    timings: dict = {}
-    with torch.enable_grad():
-        for threads in (0, half):
-            with intra_op_threads(threads):
-                timings.setdefault("unrolled", []).append(_time(unrolled))
-                for shape in sorted(shapes):
-                    timings.setdefault(shape, []).append(_time(piece(*shape)))
-        big = max(shapes, key=lambda s: s[0] * s[1])
-        pair = _pair_speedup(piece(*big), piece(*big), half) if _cores() > 1 else 1.0
-    return {key: tuple(v) for key, v in timings.items()} | {"pair": pair}
-
-
-def _pair_speedup(run_a, run_b, threads: int) -> float:
-    """(a then b) / (a with b on a second thread), both at ``threads`` intra-op threads."""
-    from autopar.runtime import intra_op_threads, set_thread_local_threads
-
-    def both():
-        worker = threading.Thread(target=lambda: (set_thread_local_threads(threads), run_b()))
-        worker.start()
-        run_a()
-        worker.join()
-
-    with intra_op_threads(threads):
-        run_a()
-        run_b()
-        return _time(lambda: (run_a(), run_b())) / _time(both)
-
-
 @torch._dynamo.assume_constant_result
 def _chosen_form(key: tuple, override: str | None) -> tuple[str, int]:
     """The form for one shape key (Dynamo runs this at trace time and bakes in the result)."""
@@ -382,16 +181,22 @@ def _chosen_form(key: tuple, override: str | None) -> tuple[str, int]:
     key = (*key, torch.get_num_threads())
     hit = _CHOICES.get(key)
     if hit is None:
-        spec = LSTMSpec(*key[:-1])
-        hit, pred = choose_lstm_form(spec, measure_lstm_forms(spec))
+        spec = RNNSpec(*key[:-1])
+        hit, pred = choose_rnn_form(spec, measure_rnn_forms(spec))
         _CHOICES[key] = hit
         shown = ", ".join(_name(c) + f"={t * 1e3:.1f}ms" for c, t in pred.items())
-        log.info("autopar: nn.LSTM %s: %s (predicted fw+bw: %s)", spec, _name(hit), shown)
+        kind = "nn.GRU" if spec.mode == "gru" else "nn.LSTM"
+        log.info("autopar: %s %s: %s (predicted fw+bw: %s)", kind, spec, _name(hit), shown)
     return hit
 
 
-def _lstm_form(self: nn.LSTM, x: Tensor, hx) -> tuple[str, int]:
-    if self.proj_size > 0 or not mkldnn_lstm_usable(x, hx[0], hx[1], self.weight_ih_l0):
+def _rnn_form(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None) -> tuple[str, int]:
+    """The form of one call; ``c0 is None`` means GRU."""
+    if c0 is None:
+        usable = gru_layer_usable(x, h0, self.weight_ih_l0)
+    else:
+        usable = self.proj_size == 0 and mkldnn_lstm_usable(x, h0, c0, self.weight_ih_l0)
+    if not usable:
         return "unrolled", 1
     batch_dim = 0 if self.batch_first else 1
     key = (
@@ -404,6 +209,7 @@ def _lstm_form(self: nn.LSTM, x: Tensor, hx) -> tuple[str, int]:
         bool(self.bias),
         str(x.dtype).removeprefix("torch."),
         bool(self.dropout and self.training and self.num_layers > 1),
+        "lstm" if c0 is not None else "gru",
     )
     return _chosen_form(key, form_override)
 
@@ -411,8 +217,10 @@ def _lstm_form(self: nn.LSTM, x: Tensor, hx) -> tuple[str, int]:
 # --------------------------------------------------------------------------- fused forms
 
 
-def _run_lstm_fused(self: nn.LSTM, x: Tensor, h0: Tensor, c0: Tensor, chunks: int):
-    """Fused (``chunks == 1``) or chunked form; ``x`` is time-major [T, B, I]."""
+def _run_fused(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None, chunks: int):
+    """Fused (``chunks == 1``) or chunked form; ``x`` is time-major [T, B, I].
+
+    ``c0 is None`` means GRU. Returns (output [T, B, D*H], h_n, c_n or None)."""
     num_dirs = 2 if self.bidirectional else 1
     train = torch.is_grad_enabled()
     layer_in = list(x.contiguous().chunk(chunks)) if chunks > 1 else [x]
@@ -422,11 +230,17 @@ def _run_lstm_fused(self: nn.LSTM, x: Tensor, h0: Tensor, c0: Tensor, chunks: in
         outs: list[list] = [[None] * n for _ in range(num_dirs)]
         for d in range(num_dirs):
             w_ih, w_hh, b_ih, b_hh, _ = _layer_params(self, layer, d)
-            h, c = h0[layer * num_dirs + d], c0[layer * num_dirs + d]
+            h = h0[layer * num_dirs + d]
+            c = None if c0 is None else c0[layer * num_dirs + d]
             for j in range(n - 1, -1, -1) if d else range(n):
-                outs[d][j], h, c = fused_lstm_layer(
-                    layer_in[j], w_ih, w_hh, b_ih, b_hh, h, c, reverse=bool(d), train=train
-                )
+                if c is None:
+                    outs[d][j], h = fused_gru_layer(
+                        layer_in[j], w_ih, w_hh, b_ih, b_hh, h, reverse=bool(d)
+                    )
+                else:
+                    outs[d][j], h, c = fused_lstm_layer(
+                        layer_in[j], w_ih, w_hh, b_ih, b_hh, h, c, reverse=bool(d), train=train
+                    )
             h_last.append(h)
             c_last.append(c)
         layer_in = [o[0] if num_dirs == 1 else torch.cat(o, dim=2) for o in zip(*outs, strict=True)]
@@ -436,7 +250,7 @@ def _run_lstm_fused(self: nn.LSTM, x: Tensor, h0: Tensor, c0: Tensor, chunks: in
             full = F.dropout(full, self.dropout, True)
             layer_in = list(full.split([t.size(0) for t in layer_in])) if n > 1 else [full]
     out = layer_in[0] if n == 1 else torch.cat(layer_in)
-    return out, torch.stack(h_last), torch.stack(c_last)
+    return out, torch.stack(h_last), None if c0 is None else torch.stack(c_last)
 
 
 # --------------------------------------------------------------------------- unrolled form
@@ -512,6 +326,15 @@ def _run_rnn(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None, batch_m
     return layer_in, h_n, c_n
 
 
+def _run_form(self: nn.RNNBase, input: Tensor, h0: Tensor, c0: Tensor | None):
+    """Run the chosen form on a batched input: (time-major output, h_n, c_n or None)."""
+    form, chunks = _rnn_form(self, input, h0, c0)
+    if form == "unrolled":
+        return _run_rnn(self, input, h0, c0, batch_major=self.batch_first)
+    x = input.transpose(0, 1) if self.batch_first else input
+    return _run_fused(self, x, h0, c0, chunks)
+
+
 def lstm_module_forward(self: nn.LSTM, input, hx=None):
     """``nn.LSTM.forward`` in the unrolled, fused or chunked form (see the module doc)."""
     _reject_packed("LSTM", input)
@@ -538,12 +361,7 @@ def lstm_module_forward(self: nn.LSTM, input, hx=None):
         if not batched:
             hx = (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
     self.check_forward_args(input, hx, None)
-    form, chunks = _lstm_form(self, input, hx)
-    if form == "unrolled":
-        out, h_n, c_n = _run_rnn(self, input, hx[0], hx[1], batch_major=self.batch_first)
-    else:
-        x = input.transpose(0, 1) if self.batch_first else input
-        out, h_n, c_n = _run_lstm_fused(self, x, hx[0], hx[1], chunks)
+    out, h_n, c_n = _run_form(self, input, hx[0], hx[1])
     if self.batch_first:
         out = out.transpose(0, 1)
     if not batched:
@@ -552,7 +370,7 @@ def lstm_module_forward(self: nn.LSTM, input, hx=None):
 
 
 def gru_module_forward(self: nn.GRU, input, hx=None):
-    """``nn.GRU.forward`` via hoisted input GEMMs and ``autopar::gru_cell`` steps."""
+    """``nn.GRU.forward`` in the unrolled, fused or chunked form (see the module doc)."""
     _reject_packed("GRU", input)
     if input.dim() not in (2, 3):
         raise ValueError(f"GRU: Expected input to be 2D or 3D, got {input.dim()}D instead")
@@ -574,7 +392,7 @@ def gru_module_forward(self: nn.GRU, input, hx=None):
         num_dirs = 2 if self.bidirectional else 1
         hx = input.new_zeros(self.num_layers * num_dirs, input.size(batch_dim), self.hidden_size)
     self.check_forward_args(input, hx, None)
-    out, h_n, _ = _run_rnn(self, input, hx, None, batch_major=self.batch_first)
+    out, h_n, _ = _run_form(self, input, hx, None)
     if self.batch_first:
         out = out.transpose(0, 1)
     if not batched:
