@@ -1,6 +1,7 @@
-"""nn.LSTMCell time loop: capture time and training-step time, with ``autopar.rnn_fuse``.
+"""nn.LSTMCell / nn.GRUCell time loop: capture and training-step time, with ``autopar.rnn_fuse``.
 
-Model: ``zoo.LSTMCellStack()`` (4 layers, hidden 256, input 64), input [16, 32, 64].
+Model: ``zoo.LSTMCellStack()`` (4 layers, hidden 256, input 64), input [16, 32, 64];
+``--gru``: ``zoo.GRUCellStack()`` of the same sizes, against ``nn.GRU``.
 
 (a) time from the first call to the first result (Dynamo + the LSTMCell loop fusion +
     AOTAutograd + profiling + planning), forward alone and forward+backward, with a cold
@@ -13,7 +14,7 @@ Model: ``zoo.LSTMCellStack()`` (4 layers, hidden 256, input 64), input [16, 32, 
 ~3700 backward aten nodes; slow to capture). Timings are noisy on a shared box: compare
 medians of one run, not runs. Run::
 
-    .venv/bin/python benchmarks/bench_cell_loop.py [--steps 30] [--unfused]
+    .venv/bin/python benchmarks/bench_cell_loop.py [--steps 30] [--unfused] [--gru]
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from autopar.store import ProfileStore
 
 
 def lstm_with_weights_of(cells: zoo.LSTMCellStack) -> nn.LSTM:
-    """``nn.LSTM`` computing the same function as ``cells`` (copied weights)."""
+    """``nn.LSTM`` (``nn.GRU`` for GRU cells) computing the same function as ``cells``."""
     first = cells.cells[0]
-    lstm = nn.LSTM(first.input_size, cells.hidden, len(cells.cells), batch_first=True)
+    cls = nn.GRU if isinstance(first, nn.GRUCell) else nn.LSTM
+    lstm = cls(first.input_size, cells.hidden, len(cells.cells), batch_first=True)
     with torch.no_grad():
         for i, cell in enumerate(cells.cells):
             for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
@@ -57,12 +59,12 @@ class LSTMOut(nn.Module):
 
 @contextlib.contextmanager
 def fusion_disabled():
-    saved = autopar.rnn_fuse.fuse_lstm_cell_loops
-    autopar.rnn_fuse.fuse_lstm_cell_loops = lambda gm, chunks=1: 0
+    saved = autopar.rnn_fuse.fuse_cell_loops
+    autopar.rnn_fuse.fuse_cell_loops = lambda gm, chunks=1: 0
     try:
         yield
     finally:
-        autopar.rnn_fuse.fuse_lstm_cell_loops = saved
+        autopar.rnn_fuse.fuse_cell_loops = saved
 
 
 def first_result(model, x, store_dir: str) -> tuple[float, float, nn.Module]:
@@ -103,14 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (>= 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--unfused", action="store_true", help="also autopar without fusion")
+    parser.add_argument("--gru", action="store_true", help="GRUCell stack vs nn.GRU")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    base = zoo.LSTMCellStack()
+    base = zoo.GRUCellStack() if args.gru else zoo.LSTMCellStack()
+    ref_name = "nn.GRU (ATen loop)" if args.gru else "nn.LSTM (oneDNN)"
     x = torch.randn(16, 32, 64)
     grad_out = torch.randn(16, 32, 256)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; LSTMCellStack() x{x.shape}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{type(base).__name__}() x{x.shape}"
     )
 
     # (a) first call -> first result, cold and warm store
@@ -133,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     lstm = LSTMOut(lstm_with_weights_of(base))
     with torch.no_grad():
         check = (lstm(x) - eager(x)).abs().max().item()
-    print(f"\nnn.LSTM vs cell loop max |diff| = {check:.2e}")
-    runs = {"eager cell loop": (eager, eager), "nn.LSTM (oneDNN)": (lstm, lstm)}
+    print(f"\n{ref_name} vs cell loop max |diff| = {check:.2e}")
+    runs = {"eager cell loop": (eager, eager), ref_name: (lstm, lstm)}
     for name, (model, cmodel) in compiled.items():
         runs[f"autopar {name}"] = (model, cmodel)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, (m, _) in runs.items()}
@@ -145,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             if i >= args.warmup:
                 times[k].append(dt)
     print(f"\n(b) training step (fw+bw+SGD), median of {args.steps} interleaved steps")
-    ref = statistics.median(times["nn.LSTM (oneDNN)"])
+    ref = statistics.median(times[ref_name])
     eager_t = statistics.median(times["eager cell loop"])
     for k, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {k:20s} {med * 1e3:8.2f} ms   x{med / ref:5.2f} vs nn.LSTM   "
+        print(f"  {k:20s} {med * 1e3:8.2f} ms   x{med / ref:5.2f} vs {ref_name.split()[0]}   "
               f"x{eager_t / med:5.2f} speedup vs eager")  # fmt: skip
     return 0
 

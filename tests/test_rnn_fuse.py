@@ -1,4 +1,4 @@
-"""autopar.rnn_fuse: nn.LSTMCell time loops become fused oneDNN layer calls, when safe."""
+"""autopar.rnn_fuse: nn.LSTMCell / nn.GRUCell time loops become fused layer calls, when safe."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import autopar
 from autopar import zoo
 from autopar.errors import FallbackWarning
 from autopar.rnn import rewrite_rnns
-from autopar.rnn_fuse import fuse_lstm_cell_loops
+from autopar.rnn_fuse import fuse_cell_loops
 from autopar.store import ProfileStore
 
 pytestmark = pytest.mark.skipif(
@@ -25,17 +25,20 @@ pytestmark = pytest.mark.skipif(
 class Decoder(nn.Module):
     """Feedback: each step's input is computed from the previous step's h (must not fuse)."""
 
-    def __init__(self, d: int = 16, hidden: int = 32, steps: int = 5):
+    def __init__(self, d: int = 16, hidden: int = 32, steps: int = 5, gru: bool = False):
         super().__init__()
         self.hidden, self.steps = hidden, steps
-        self.cell = nn.LSTMCell(d, hidden)
+        self.cell = (nn.GRUCell if gru else nn.LSTMCell)(d, hidden)
         self.proj = nn.Linear(hidden, d)
 
     def forward(self, x):  # x: [batch, d]
         h = c = x.new_zeros(x.size(0), self.hidden)
         inp, outs = x, []
         for _ in range(self.steps):
-            h, c = self.cell(inp, (h, c))
+            if isinstance(self.cell, nn.GRUCell):
+                h = self.cell(inp, h)
+            else:
+                h, c = self.cell(inp, (h, c))
             inp = torch.tanh(self.proj(h))
             outs.append(h)
         return torch.stack(outs, dim=1)
@@ -106,28 +109,42 @@ def _dynamo_graph(model, *inputs):
     return seen[0]
 
 
+# (cell op, fused forward op, fused backward op) per zoo model
+OPS = {
+    "lstm_cells": ("autopar.lstm_cell", "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"),
+    "gru_cells": ("autopar.gru_cell", "autopar.gru_layer.", "autopar.gru_layer_backward"),
+}
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_cell_stack_fuses_and_trains_like_eager(opt):
-    model, inputs = zoo.build("lstm_cells")  # LSTMCellStack(16, 32, 2), x [4, 6, 16]
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_cell_stack_fuses_and_trains_like_eager(name, opt):
+    model, inputs = zoo.build(name)  # a 2-layer cell stack (16 -> 32), x [4, 6, 16]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)  # the fused graph is planned, not eager
         cmodel = check_training(model, inputs, _compile, opt_name=opt)
+    cell, fused, fused_bw = OPS[name]
     fw = _forward_gm(cmodel)
-    # One fused layer op per layer (autopar::mkldnn_rnn_layer: aten.mkldnn_rnn_layer inside).
-    assert _count(fw, "mkldnn_rnn_layer") == 2
-    assert _count(fw, "autopar.lstm_cell") == 0
+    # One fused layer op per layer (autopar::mkldnn_rnn_layer / autopar::gru_layer).
+    assert _count(fw, fused) == 2
+    assert _count(fw, cell) == 0
     bw = next(r.gm for r in cmodel._autopar_pipeline.records if r.phase == "backward")
-    assert _count(bw, "mkldnn_rnn_layer_backward") == 2
-    assert _count(bw, "autopar.lstm_cell_backward") == 0
+    assert _count(bw, fused_bw) == 2
+    assert _count(bw, cell + "_backward") == 0
 
 
-@pytest.mark.parametrize("model", [Decoder(), UsesCellState()], ids=["feedback", "uses_c_t"])
+@pytest.mark.parametrize(
+    "model",
+    [Decoder(), Decoder(gru=True), UsesCellState()],
+    ids=["feedback", "gru_feedback", "uses_c_t"],
+)
 def test_unsafe_loops_stay_unrolled_and_train_like_eager(model):
     x = torch.randn(4, 16) if isinstance(model, Decoder) else torch.randn(4, 5, 16)
     cmodel = check_training(model, (x,), _compile, opt_name="sgd")
     fw = _forward_gm(cmodel)
-    assert _count(fw, "mkldnn_rnn_layer") == 0
-    assert _count(fw, "autopar.lstm_cell") == 5
+    assert _count(fw, "mkldnn_rnn_layer") == 0 and _count(fw, "gru_layer") == 0
+    cell = "autopar.gru_cell" if isinstance(model.cell, nn.GRUCell) else "autopar.lstm_cell"
+    assert _count(fw, cell) == 5
 
 
 def test_encoder_fuses_but_decoder_does_not():
@@ -141,19 +158,21 @@ def test_encoder_fuses_but_decoder_does_not():
 def test_keeps_the_users_source_line():
     model, (x,) = zoo.build("lstm_cells")
     gm, _ = _dynamo_graph(model, x)
-    assert fuse_lstm_cell_loops(gm) == 2
+    assert fuse_cell_loops(gm) == 2
     fused = [n for n in gm.graph.nodes if "fused_lstm_layer" in str(n.target)]
     assert fused and all("zoo.py" in n.meta.get("stack_trace", "") for n in fused)
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
-def test_chunks_match_eager(chunks):
-    model, (x,) = zoo.build("lstm_cells")
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_chunks_match_eager(name, chunks):
+    model, (x,) = zoo.build(name)
     eager = copy.deepcopy(model)
     gm, args = _dynamo_graph(model, x)
-    assert fuse_lstm_cell_loops(gm, chunks=chunks) == 2
-    assert _count(gm, "fused_lstm_layer") == 2 * chunks
-    assert _count(gm, "autopar.lstm_cell") == 0
+    assert fuse_cell_loops(gm, chunks=chunks) == 2
+    helper = "fused_lstm_layer" if name == "lstm_cells" else "fused_gru_layer"
+    assert _count(gm, helper) == 2 * chunks
+    assert _count(gm, OPS[name][0]) == 0
     (out,) = gm(*args)
     out.sum().backward()
     ref = eager(x)
@@ -167,7 +186,6 @@ def test_chunks_match_eager(chunks):
     "name, inputs",
     [
         ("mlp", (torch.randn(4, 32),)),
-        ("gru_cells", (torch.randn(4, 6, 16),)),  # no CPU oneDNN GRU layer: stays unrolled
         ("feedback", (torch.randn(4, 16),)),
     ],
 )
@@ -175,7 +193,7 @@ def test_nothing_to_fuse_leaves_graph_unchanged(name, inputs):
     model = Decoder() if name == "feedback" else zoo.build(name)[0]
     gm, _ = _dynamo_graph(model, *inputs)
     graph, code = gm.graph, gm.code
-    assert fuse_lstm_cell_loops(gm) == 0
+    assert fuse_cell_loops(gm) == 0
     assert gm.graph is graph and gm.code == code
 
 
@@ -188,4 +206,4 @@ def test_random_ops_block_fusion():
     dropped = Dropped(16, 32, 2)
     dropped.load_state_dict(model.state_dict())
     gm, _ = _dynamo_graph(dropped, x)
-    assert fuse_lstm_cell_loops(gm) == 0  # fusing reorders nodes: RNG draws could move
+    assert fuse_cell_loops(gm) == 0  # fusing reorders nodes: RNG draws could move

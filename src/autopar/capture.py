@@ -177,17 +177,17 @@ class Capture:
 
 
 def _fuse_rnn_loops(gm: fx.GraphModule, k: int) -> None:
-    """Fuse nn.LSTMCell time loops into oneDNN layer calls (``autopar.rnn_fuse``) before
+    """Fuse nn.LSTMCell / nn.GRUCell time loops into layer ops (``autopar.rnn_fuse``) before
     AOTAutograd. Best effort: on any failure the graph stays exactly as Dynamo gave it."""
     try:
-        from autopar.rnn_fuse import fuse_lstm_cell_loops
+        from autopar.rnn_fuse import fuse_cell_loops
 
-        n = fuse_lstm_cell_loops(gm)
+        n = fuse_cell_loops(gm)
         if n:
-            _log.debug("Dynamo graph %d: fused %d LSTMCell loop(s)", k, n)
+            _log.debug("Dynamo graph %d: fused %d LSTMCell/GRUCell loop(s)", k, n)
     except Exception:  # noqa: BLE001 - an optimization only: never break capture
         _log.debug(
-            "Dynamo graph %d: LSTMCell loop fusion failed; graph unchanged", k, exc_info=True
+            "Dynamo graph %d: RNN cell loop fusion failed; graph unchanged", k, exc_info=True
         )
 
 

@@ -1,4 +1,4 @@
-"""Fuse unrolled ``nn.LSTMCell`` time loops into one oneDNN LSTM layer call per cell.
+"""Fuse unrolled ``nn.LSTMCell`` / ``nn.GRUCell`` time loops into one layer op per cell.
 
 Under :func:`autopar.rnn.rewrite_rnns` every ``nn.LSTMCell`` call traces in Dynamo as::
 
@@ -6,9 +6,10 @@ Under :func:`autopar.rnn.rewrite_rnns` every ``nn.LSTMCell`` call traces in Dyna
     hgates = F.linear(h_{t-1}, W_hh, b_hh)
     h_t, c_t = torch.ops.autopar.lstm_cell(igates, hgates, c_{t-1})
 
+(an ``nn.GRUCell`` step is ``h_t = torch.ops.autopar.gru_cell(igates, hgates, h_{t-1})``).
 A Python loop over T steps therefore leaves T such steps per cell in the Dynamo graph, which
 AOTAutograd turns into ~30 forward and ~110 backward aten nodes per step (slow to trace,
-slow to run). :func:`fuse_lstm_cell_loops` finds each *chain* of steps of one cell (same
+slow to run). :func:`fuse_cell_loops` finds each *chain* of steps of one cell (same
 weight nodes; step t's ``h_{t-1}`` and ``c_{t-1}`` are step t-1's outputs) and, when it is
 safe, replaces it by::
 
@@ -21,12 +22,13 @@ safe, replaces it by::
 ``fused_lstm_layer`` is ONE ``aten.mkldnn_rnn_layer`` call (wrapped in the custom op
 ``autopar::mkldnn_rnn_layer`` so oneDNN's workspace survives AOTAutograd's no-grad forward),
 so AOTAutograd traces ONE forward and ONE backward node per layer, with the same numerics as
-``nn.LSTM`` on CPU.
+``nn.LSTM`` on CPU. A GRU chain becomes ``out, hy = autopar.rnn_gru.fused_gru_layer(X, W_ih,
+W_hh, b_ih, b_hh, h0)`` (``autopar::gru_layer``: ATen's GRU loop forward, one-op backward).
 
 Safety (a chain that fails any of these is left as it is):
 
 * T >= 2; every step uses the same weight/bias nodes (biases both present or both absent);
-* CPU float32 2-D ``[B, I]`` inputs, ``[B, H]`` states, and ``torch.backends.mkldnn``;
+* CPU float32 2-D ``[B, I]`` inputs, ``[B, H]`` states, and (LSTM) ``torch.backends.mkldnn``;
 * no external input of the chain (``x_t``, ``h0``, ``c0``, weights) depends on a node of the
   chain (no feedback, e.g. a decoder feeding its output back as the next input);
 * the intermediate ``c_t`` (t < T-1) and the gate GEMMs have no users outside the chain;
@@ -37,12 +39,9 @@ Safety (a chain that fails any of these is left as it is):
 next chunk starting from the previous chunk's ``hy``/``cy``), so the planner can run chunk j
 of layer l+1 concurrently with chunk j+1 of layer l (a layer x time wavefront).
 
-GRU cells stay unrolled: CPU oneDNN has no GRU layer op in ATen (``mkldnn_rnn_layer`` with
-mode 3 fails to create its primitive).
-
 Example::
 
-    n = fuse_lstm_cell_loops(gm)   # gm: a Dynamo FX graph; returns how many chains fused
+    n = fuse_cell_loops(gm)   # gm: a Dynamo FX graph; returns how many chains fused
 """
 
 from __future__ import annotations
@@ -59,8 +58,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from autopar.rnn import fused_lstm_layer
+from autopar.rnn_gru import fused_gru_layer
 
-__all__ = ["fuse_lstm_cell_loops"]
+__all__ = ["fuse_cell_loops"]
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +81,30 @@ _INPLACE_OPERATORS = {
 # --------------------------------------------------------------------------- the pass
 
 
-def _lstm_cell_targets() -> tuple:
-    packet = torch.ops.autopar.lstm_cell
-    return (packet, packet.default)
+def _cell_kind(node: fx.Node) -> str | None:
+    """``"lstm"`` / ``"gru"`` for an ``autopar::lstm_cell`` / ``autopar::gru_cell`` call."""
+    if node.op != "call_function":
+        return None
+    lstm, gru = torch.ops.autopar.lstm_cell, torch.ops.autopar.gru_cell
+    kinds = {lstm: "lstm", lstm.default: "lstm", gru: "gru", gru.default: "gru"}
+    return kinds.get(node.target)
 
 
 @dataclass
 class _Step:
-    """One ``autopar::lstm_cell`` call and the two gate GEMMs feeding it."""
+    """One cell call and the two gate GEMMs feeding it (``c_prev`` is None for a GRU)."""
 
+    kind: str
     cell: fx.Node
     igates: fx.Node
     hgates: fx.Node
     x: fx.Node
     h_prev: fx.Node
-    c_prev: fx.Node
+    c_prev: fx.Node | None
     weights: tuple  # (w_ih, w_hh, b_ih, b_hh); biases may be None
-    h_outs: list[fx.Node] = field(default_factory=list)  # getitem(cell, 0) nodes
-    c_outs: list[fx.Node] = field(default_factory=list)  # getitem(cell, 1) nodes
+    # LSTM: getitem(cell, 0) / getitem(cell, 1) nodes; GRU: the cell node itself is h_t
+    h_outs: list[fx.Node] = field(default_factory=list)
+    c_outs: list[fx.Node] = field(default_factory=list)
 
 
 def _linear_args(node: fx.Node):
@@ -121,17 +127,21 @@ def _linear_args(node: fx.Node):
 
 
 def _parse_step(cell: fx.Node) -> _Step | None:
-    if cell.op != "call_function" or cell.target not in _lstm_cell_targets():
+    kind = _cell_kind(cell)
+    if kind is None or len(cell.args) != 3 or cell.kwargs:
         return None
-    if len(cell.args) != 3 or cell.kwargs:
-        return None
-    ig, hg, c_prev = cell.args
-    if not all(isinstance(n, fx.Node) for n in (ig, hg, c_prev)) or ig is hg:
+    ig, hg, state = cell.args
+    if not all(isinstance(n, fx.Node) for n in (ig, hg, state)) or ig is hg:
         return None
     ia, ha = _linear_args(ig), _linear_args(hg)
     if ia is None or ha is None or set(ig.users) != {cell} or set(hg.users) != {cell}:
         return None
-    step = _Step(cell, ig, hg, ia[0], ha[0], c_prev, (ia[1], ha[1], ia[2], ha[2]))
+    weights = (ia[1], ha[1], ia[2], ha[2])
+    if kind == "gru":  # the state the cell blends must be the h its hgates GEMM read
+        if ha[0] is not state:
+            return None
+        return _Step(kind, cell, ig, hg, ia[0], state, None, weights, [cell])
+    step = _Step(kind, cell, ig, hg, ia[0], ha[0], state, weights)
     for user in cell.users:
         if user.op != "call_function" or user.target is not operator.getitem:
             return None
@@ -154,13 +164,8 @@ def _find_chains(graph: fx.Graph) -> list[list[_Step]]:
     succ: dict[fx.Node, list[_Step]] = {}
     pred: dict[fx.Node, _Step] = {}
     for step in steps.values():
-        hp, cp = step.h_prev, step.c_prev
-        if not (hp.op == cp.op == "call_function" and hp.target is cp.target is operator.getitem):
-            continue
-        prev = steps.get(hp.args[0])
-        if prev is None or cp.args[0] is not prev.cell or hp.args[1] != 0 or cp.args[1] != 1:
-            continue
-        if prev.weights != step.weights:
+        prev = _previous_step(step, steps)
+        if prev is None or prev.kind != step.kind or prev.weights != step.weights:
             continue
         succ.setdefault(prev.cell, []).append(step)
         pred[step.cell] = prev
@@ -176,6 +181,19 @@ def _find_chains(graph: fx.Graph) -> list[list[_Step]]:
     return chains
 
 
+def _previous_step(step: _Step, steps: dict) -> _Step | None:
+    """The step whose outputs are this step's state (h_{t-1}, c_{t-1}), if any."""
+    hp, cp = step.h_prev, step.c_prev
+    if cp is None:  # GRU: h_{t-1} is the previous cell node itself
+        return steps.get(hp)
+    if not (hp.op == cp.op == "call_function" and hp.target is cp.target is operator.getitem):
+        return None
+    prev = steps.get(hp.args[0])
+    if prev is None or cp.args[0] is not prev.cell or hp.args[1] != 0 or cp.args[1] != 1:
+        return None
+    return prev
+
+
 def _value(node) -> torch.Tensor | None:
     val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
@@ -185,7 +203,12 @@ def _shapes_ok(chain: list[_Step]) -> bool:
     w_ih, w_hh, b_ih, b_hh = chain[0].weights
     if (b_ih is None) != (b_hh is None):
         return False
-    vals = [_value(n) for n in (w_ih, w_hh, chain[0].h_prev, chain[0].c_prev)]
+    lstm = chain[0].kind == "lstm"
+    if lstm and not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    gates = 4 if lstm else 3
+    c_prev = chain[0].c_prev if lstm else chain[0].h_prev  # (a GRU has h only)
+    vals = [_value(n) for n in (w_ih, w_hh, chain[0].h_prev, c_prev)]
     vals += [_value(s.x) for s in chain]
     vals += [_value(b) for b in (b_ih, b_hh) if b is not None]
     if any(v is None or v.dtype != torch.float32 or v.device.type != "cpu" for v in vals):
@@ -195,13 +218,13 @@ def _shapes_ok(chain: list[_Step]) -> bool:
     if x0.dim() != 2 or h0.dim() != 2 or wi.dim() != 2 or wh.dim() != 2:
         return False
     batch, hidden = h0.shape
-    if tuple(c0.shape) != (batch, hidden) or tuple(wh.shape) != (4 * hidden, hidden):
+    if tuple(c0.shape) != (batch, hidden) or tuple(wh.shape) != (gates * hidden, hidden):
         return False
-    if tuple(wi.shape) != (4 * hidden, x0.shape[1]) or x0.shape[0] != batch:
+    if tuple(wi.shape) != (gates * hidden, x0.shape[1]) or x0.shape[0] != batch:
         return False
     if any(tuple(v.shape) != tuple(x0.shape) for v in vals[4 : 4 + len(chain)]):
         return False
-    return all(tuple(b.shape) == (4 * hidden,) for b in vals[4 + len(chain) :])
+    return all(tuple(b.shape) == (gates * hidden,) for b in vals[4 + len(chain) :])
 
 
 def _chain_nodes(chain: list[_Step]) -> set[fx.Node]:
@@ -212,8 +235,8 @@ def _chain_nodes(chain: list[_Step]) -> set[fx.Node]:
 
 
 def _external_inputs(chain: list[_Step]) -> list[fx.Node]:
-    ins = [s.x for s in chain] + [chain[0].h_prev, chain[0].c_prev]
-    return ins + [w for w in chain[0].weights if w is not None]
+    ins = [s.x for s in chain] + [chain[0].h_prev, chain[0].c_prev, *chain[0].weights]
+    return [n for n in ins if n is not None]
 
 
 def _depends_on(starts: list[fx.Node], targets: set[fx.Node]) -> bool:
@@ -384,8 +407,9 @@ def _fuse_chain(graph: fx.Graph, chain: list[_Step], chunks: int, fake_mode) -> 
     src = _x_source([s.x for s in chain])
     if src is not None:  # x[:, t] for every t: one transpose instead of T selects + stack
         xs_all = make("call_method", "transpose", (src, 0, 1))
-    h, c = chain[0].h_prev, chain[0].c_prev
-    h, c = (make("call_method", "contiguous", (n,)) for n in (h, c))
+    lstm = chain[0].kind == "lstm"
+    h = make("call_method", "contiguous", (chain[0].h_prev,))
+    c = make("call_method", "contiguous", (chain[0].c_prev,)) if lstm else None
     nodes = _chain_nodes(chain)
     bounds = [steps * j // chunks for j in range(chunks + 1)]
     for lo, hi in itertools.pairwise(bounds):
@@ -400,10 +424,13 @@ def _fuse_chain(graph: fx.Graph, chain: list[_Step], chunks: int, fake_mode) -> 
             xs = make("call_function", torch.stack, ([s.x for s in chain[lo:hi]],), {"dim": 0})
         # oneDNN reads raw memory: its inputs must be contiguous (no-op when they are).
         xs = make("call_method", "contiguous", (xs,))
-        res = make("call_function", fused_lstm_layer, (xs, w_ih, w_hh, b_ih, b_hh, h, c))
+        if lstm:
+            res = make("call_function", fused_lstm_layer, (xs, w_ih, w_hh, b_ih, b_hh, h, c))
+            c = make("call_function", operator.getitem, (res, 2))
+        else:
+            res = make("call_function", fused_gru_layer, (xs, w_ih, w_hh, b_ih, b_hh, h))
         out = make("call_function", operator.getitem, (res, 0))
         h = make("call_function", operator.getitem, (res, 1))
-        c = make("call_function", operator.getitem, (res, 2))
         hs = None
         for t in range(lo, hi):
             for h_out in chain[t].h_outs:
@@ -415,8 +442,9 @@ def _fuse_chain(graph: fx.Graph, chain: list[_Step], chunks: int, fake_mode) -> 
                 h_out.replace_all_uses_with(h_t, delete_user_cb=lambda u: u not in nodes)
     for c_out in chain[-1].c_outs:
         c_out.replace_all_uses_with(c)
-    for step in reversed(chain):
-        for node in (*step.h_outs, *step.c_outs, step.cell, step.hgates, step.igates):
+    for step in reversed(chain):  # (a GRU step's h_out is its cell: erase each node once)
+        dead = (*step.h_outs, *step.c_outs, step.cell, step.hgates, step.igates)
+        for node in dict.fromkeys(dead):
             graph.erase_node(node)
     for x in {s.x for s in chain}:  # the x[:, t] selects, now dead when transposed
         if not x.users and x.op == "call_function" and x.target is operator.getitem:
@@ -424,15 +452,13 @@ def _fuse_chain(graph: fx.Graph, chain: list[_Step], chunks: int, fake_mode) -> 
     _toposort(graph)
 
 
-def fuse_lstm_cell_loops(gm: fx.GraphModule, chunks: int = 1) -> int:
-    """Replace each safe chain of ``autopar::lstm_cell`` steps by fused oneDNN LSTM layer
-    call(s) (see the module docstring); returns how many chains were fused. ``chunks``: time
-    chunks per chain (``min(chunks, T)``), one fused call each. The graph is unchanged when
-    it returns 0; otherwise it is linted and recompiled."""
+def fuse_cell_loops(gm: fx.GraphModule, chunks: int = 1) -> int:
+    """Replace each safe chain of ``autopar::lstm_cell`` / ``autopar::gru_cell`` steps by
+    fused layer call(s) (see the module docstring); returns how many chains were fused.
+    ``chunks``: time chunks per chain (``min(chunks, T)``), one fused call each. The graph is
+    unchanged when it returns 0; otherwise it is linted and recompiled."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return 0
     chains = _find_chains(gm.graph)
     if not any(len(c) >= 2 for c in chains):
         return 0
