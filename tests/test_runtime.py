@@ -158,3 +158,28 @@ def test_thread_local_threads_do_not_leak_to_other_threads():
     with rt.intra_op_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == default
+
+
+def test_idle_omp_team_is_released_before_worker_streams(monkeypatch):
+    """run_streams stops the caller's idle OpenMP team spinning (it would take the core a
+    worker stream needs); ops afterwards re-create the team and compute the same."""
+    a = torch.randn(256, 256)
+    ref = a @ a  # a 2-thread op: the calling thread now has an idle team
+    if rt.PER_THREAD_SETTING and rt._OMP_PAUSE is not None:  # libgomp (this box)
+        assert rt.release_idle_omp_team() is True
+        assert rt.release_idle_omp_team() is True  # nothing left to release: still fine
+    assert torch.equal(a @ a, ref)
+    calls = []
+    monkeypatch.setattr(rt, "release_idle_omp_team", lambda: calls.append(1) or True)
+    st = rt.CallState(n_slots=1, n_events=1, args=())
+
+    def worker(st):
+        st.v[0] = 41
+        st.ev[0].set()
+
+    def main(st):
+        st.wait(0)
+        return st.v[0] + 1
+
+    assert rt.run_streams(rt.StreamSpec(main=main, workers=((worker, 0),)), st) == 42
+    assert calls == [1]

@@ -25,6 +25,19 @@ Intra-op threads
     ``torch.set_num_threads`` and restore the caller's default; see
     ``benchmarks/threads_probe.py`` for the measurements.
 
+Idle OpenMP teams
+    After a parallel region, libgomp's team threads spin-wait for the next region of their
+    master thread (``GOMP_SPINCOUNT``, default 300k spins: milliseconds) before they sleep.
+    When the calling thread ran a 2-thread op just before a multi-stream program (the user's
+    eager ops, the previous graph), its idle team thread spins on the core the second stream
+    needs: two 1-thread LSTM layers (hidden 128, fw+bw) run concurrently measured 0.85x of
+    one after the other right after a 2-thread op, and 1.55x when the spinning team was
+    released first (``/tmp`` probe, recorded in docs/benchmarks.md). ``run_streams``
+    therefore releases the calling thread's idle team first (OpenMP 5.0
+    ``omp_pause_resource_all(omp_pause_soft)``, ~60 us including re-creating the team at the
+    next parallel op). ``OMP_WAIT_POLICY=PASSIVE`` would stop all spinning instead, but it
+    slows every per-step barrier of a oneDNN RNN (eager ``nn.LSTM`` h128: 22.9 -> 41.2 ms).
+
 Errors
     An exception in any stream sets the abort flag and every event, so streams blocked in a
     wait wake up and stop (waits also time out after ``timeout_s``). The calling thread waits
@@ -76,17 +89,21 @@ class _Aborted(Exception):
 
 
 # -- intra-op threads ---------------------------------------------------------------------
-def _load_thread_setters() -> tuple[Callable | None, Callable | None]:
-    """``omp_set_num_threads`` / ``mkl_set_num_threads_local`` of the libraries torch uses."""
+def _load_thread_setters() -> tuple[Callable | None, Callable | None, Callable | None]:
+    """``omp_set_num_threads`` / ``mkl_set_num_threads_local`` of the libraries torch uses,
+    and libgomp's ``omp_pause_resource_all`` (None where missing)."""
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    omp = mkl = None
+    omp = mkl = pause = None
     for pattern in ("libgomp*.so*", "libiomp5*.so*", "libomp*.so*", "libomp*.dylib"):
         for path in glob.glob(os.path.join(lib_dir, pattern)):
             try:
-                omp = ctypes.CDLL(path).omp_set_num_threads  # already loaded: same handle
-                break
+                lib = ctypes.CDLL(path)  # already loaded: same handle
+                omp = lib.omp_set_num_threads
             except (OSError, AttributeError):
                 continue
+            if "libgomp" in os.path.basename(path):  # the spin-wait measured is libgomp's
+                pause = getattr(lib, "omp_pause_resource_all", None)
+            break
         if omp is not None:
             break
     for path in glob.glob(os.path.join(lib_dir, "libtorch_cpu*")):
@@ -102,11 +119,26 @@ def _load_thread_setters() -> tuple[Callable | None, Callable | None]:
             mkl = lambda k, f=fortran_entry: f(ctypes.byref(ctypes.c_int(k)))
         else:
             mkl = lambda k, f=c_entry: f(ctypes.c_int(k))
-    return omp, mkl
+    return omp, mkl, pause
 
 
-_OMP_SET, _MKL_SET = _load_thread_setters()
+_OMP_SET, _MKL_SET, _OMP_PAUSE = _load_thread_setters()
 PER_THREAD_SETTING = _OMP_SET is not None and "OpenMP" in torch.__config__.parallel_info()
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft
+
+
+def release_idle_omp_team() -> bool:
+    """Stop the calling thread's idle OpenMP team threads spinning (see "Idle OpenMP
+    teams" above); the next parallel op re-creates them. False where not supported.
+
+    Example::
+
+        >>> release_idle_omp_team() in (True, False)
+        True
+    """
+    if _OMP_PAUSE is None or not PER_THREAD_SETTING:
+        return False
+    return _OMP_PAUSE(ctypes.c_int(_OMP_PAUSE_SOFT)) == 0  # -1 inside a parallel region
 
 
 def set_thread_local_threads(k: int) -> None:
@@ -287,6 +319,7 @@ def run_streams(spec: StreamSpec, st: CallState) -> Any:
 
     Example: see the module docstring.
     """
+    release_idle_omp_team()  # its spinning would take the core a worker stream needs
     pool = _acquire_pool()
     try:
         pool.submit(spec, st)

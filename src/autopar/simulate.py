@@ -9,8 +9,11 @@ The model (formulas in docs/cost-model.md):
 * A node's uncontended cost is ``costmodel.node_time`` at its stream's thread count.
 * CPU contention: while the CPU ops running at once use ``X`` threads in total and
   ``X > machine.cores``, every one of them progresses at rate ``cores / X`` (processor
-  sharing, as an OS scheduler time-slices oversubscribed threads). CUDA streams are not
-  slowed by each other (optimistic: kernels that fill the GPU do serialise).
+  sharing, as an OS scheduler time-slices oversubscribed threads); a multi-threaded op
+  (an OpenMP team) then progresses at only ``OVERSUBSCRIBED_TEAM_RATE`` of that share: its
+  threads meet at barriers, and a descheduled team member leaves the others spinning.
+  CUDA streams are not slowed by each other (optimistic: kernels that fill the GPU do
+  serialise).
 * Memory: a node's output bytes (0 for views) are alive from its finish until its last
   consumer finishes (or only at its finish when nothing reads it); at equal times
   allocations count before frees, since an op's output and inputs coexist while it runs.
@@ -40,6 +43,14 @@ import numpy as np
 from autopar.costmodel import MachineModel, node_time, sync_time, transfer_time
 from autopar.errors import PlanError
 from autopar.plan import Stream
+
+#: Extra slowdown of a multi-threaded CPU op while the CPU is oversubscribed (its share of
+#: the cores times this). Measured on the 2-core box: a 2-thread stream running chunked
+#: oneDNN LSTM layers beside a 1-thread stream took 32 ms against 23 ms for the same ops
+#: one after the other at 2 threads (fair processor sharing predicts about equal), and
+#: 2-thread OpenMP ops stalled 10-100x while another process held a core. 0.25 makes the
+#: simulator avoid overlapping a team op with other work, which is what measurements reward.
+OVERSUBSCRIBED_TEAM_RATE = 0.25
 
 #: A stream configuration: (device, intra-op threads). Streams with the same
 #: configuration share a cost table.
@@ -257,9 +268,18 @@ def simulate(
             threads[sid] if ph == "run" else 1 for sid, (_, _, ph) in running.items() if is_cpu[sid]
         )
         cpu_rate = cores / x if x > cores else 1.0
+
+        rate = {  # an OpenMP team under oversubscription: see OVERSUBSCRIBED_TEAM_RATE
+            sid: 1.0
+            if not is_cpu[sid]
+            else cpu_rate * OVERSUBSCRIBED_TEAM_RATE
+            if cpu_rate < 1.0 and threads[sid] > 1 and ph == "run"
+            else cpu_rate
+            for sid, (_, _, ph) in running.items()
+        }
         next_t, first = math.inf, None
         for sid, (_h, rem, _ph) in running.items():
-            f = t + rem / (cpu_rate if is_cpu[sid] else 1.0)
+            f = t + rem / rate[sid]
             if f < next_t:
                 next_t, first = f, sid
         for sid in sids:
@@ -277,7 +297,7 @@ def simulate(
         t = next_t
         for sid in list(running):
             node, rem, phase = running[sid]
-            rem -= dt * (cpu_rate if is_cpu[sid] else 1.0)
+            rem -= dt * rate[sid]
             if sid == first or rem <= 1e-9 * cost[node]:
                 if phase == "gil":  # dispatch done: release the GIL, run the kernel
                     gil_owner = None
