@@ -197,6 +197,9 @@ def _fake_timings(spec, unrolled, full_default, full_half):
     return t
 
 
+T_FULL = 32  # _spec()'s steps
+
+
 def test_choice_is_deterministic_given_timings(monkeypatch):
     monkeypatch.setattr(rc, "_cores", lambda: 2)
     spec = _spec()
@@ -210,6 +213,11 @@ def test_choice_is_deterministic_given_timings(monkeypatch):
     assert choice == rc.choose_rnn_form(spec, t)[0]
     # ... unless two pieces at once measured no faster than one after the other (busy core).
     assert rc.choose_rnn_form(spec, t | {"pair": 1.0})[0] == ("fused", 1)
+    # ... or its chunks one after the other (if the planner keeps one stream) are 20% slower
+    # than the fused layer: the downside is bounded (rnn_choice.DOWNSIDE).
+    slow = {k: (v[0] * 1.2, v[1]) for k, v in t.items() if isinstance(k, tuple) and k[1] < T_FULL}
+    choice, pred = rc.choose_rnn_form(spec, t | slow)
+    assert choice == ("fused", 1) and pred[("chunked", 2)] < 0.75 * pred[("fused", 1)]
     # Unrolled measured fastest by far.
     t = _fake_timings(spec, (0.001, 0.002), full_default=0.01, full_half=0.02)
     assert rc.choose_rnn_form(spec, t)[0] == ("unrolled", 1)
