@@ -201,7 +201,7 @@ T_FULL = 32  # _spec()'s steps
 
 
 def test_choice_is_deterministic_given_timings(monkeypatch):
-    monkeypatch.setattr(rc, "_cores", lambda: 2)
+    monkeypatch.setattr(rc, "_cores", lambda: 4)
     spec = _spec()
     # Threads help each piece (half-thread pieces 2x slower): one stream, fused.
     t = _fake_timings(spec, (1.0, 1.0), full_default=0.01, full_half=0.02)
@@ -218,6 +218,11 @@ def test_choice_is_deterministic_given_timings(monkeypatch):
     slow = {k: (v[0] * 1.2, v[1]) for k, v in t.items() if isinstance(k, tuple) and k[1] < T_FULL}
     choice, pred = rc.choose_rnn_form(spec, t | slow)
     assert choice == ("fused", 1) and pred[("chunked", 2)] < 0.75 * pred[("fused", 1)]
+    # Two cores: chunked forms are not candidates (rnn_choice.MIN_CORES_CHUNKED).
+    monkeypatch.setattr(rc, "_cores", lambda: 2)
+    choice, pred = rc.choose_rnn_form(spec, t)
+    assert choice == ("fused", 1) and all(f != "chunked" for f, _ in pred)
+    monkeypatch.setattr(rc, "_cores", lambda: 4)
     # Unrolled measured fastest by far.
     t = _fake_timings(spec, (0.001, 0.002), full_default=0.01, full_half=0.02)
     assert rc.choose_rnn_form(spec, t)[0] == ("unrolled", 1)

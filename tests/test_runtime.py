@@ -32,7 +32,8 @@ def run_with_deadline(fn, seconds=60.0):
     return box["result"]
 
 
-def test_run_streams_docstring_example():
+def _docstring_example() -> int:
+    """The module docstring's two-stream program: the worker hands 41 to main, main adds 1."""
     st = rt.CallState(n_slots=1, n_events=1, args=())
 
     def worker(st):
@@ -43,7 +44,11 @@ def test_run_streams_docstring_example():
         st.wait(0)
         return st.v[0] + 1
 
-    assert rt.run_streams(rt.StreamSpec(main=main, workers=((worker, 0),)), st) == 42
+    return rt.run_streams(rt.StreamSpec(main=main, workers=((worker, 0),)), st)
+
+
+def test_run_streams_docstring_example():
+    assert _docstring_example() == 42
 
 
 def test_pool_threads_are_created_once_and_reused():
@@ -171,15 +176,5 @@ def test_idle_omp_team_is_released_before_worker_streams(monkeypatch):
     assert torch.equal(a @ a, ref)
     calls = []
     monkeypatch.setattr(rt, "release_idle_omp_team", lambda: calls.append(1) or True)
-    st = rt.CallState(n_slots=1, n_events=1, args=())
-
-    def worker(st):
-        st.v[0] = 41
-        st.ev[0].set()
-
-    def main(st):
-        st.wait(0)
-        return st.v[0] + 1
-
-    assert rt.run_streams(rt.StreamSpec(main=main, workers=((worker, 0),)), st) == 42
+    assert _docstring_example() == 42
     assert calls == [1]

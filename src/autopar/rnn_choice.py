@@ -45,6 +45,11 @@ MARGIN = 0.25
 # kept one: the chooser's chunked:2 picks then measured 0.84x and 0.82x of eager where
 # fused measured 0.96x and 0.92x (LSTM hidden 256 and 128). This bounds that downside.
 DOWNSIDE = 0.05
+# ... and chunked forms are candidates only from this many cores on. On the 2-core box the
+# chooser still picked chunked:2 at hidden 256 now and then (its fw+bw piece timings credit
+# the wavefront more than the planner's per-op profile does), and chunked forms measured
+# 0.74-0.88x of eager against fused 0.86-0.96x in every LSTM run (docs/benchmarks.md).
+MIN_CORES_CHUNKED = 4
 SYNC_S = 50e-6  # one cross-stream handoff in the prediction (events + wake-up)
 REPS = 3  # timed reps per measurement (best of), after one warm-up
 
@@ -145,7 +150,7 @@ def _cores() -> int:
 def choose_rnn_form(spec: RNNSpec, timings: dict, sync_s=SYNC_S):
     """``((form, k), {candidate: predicted seconds})`` -- deterministic given ``timings``."""
     cands = [("fused", 1), ("unrolled", 1)]
-    if not spec.barrier:
+    if not spec.barrier and _cores() >= MIN_CORES_CHUNKED:
         cands += [("chunked", k) for k in CHUNK_CANDIDATES if k <= spec.steps]
     pred = {c: predict_rnn_form(spec, *c, timings, sync_s) for c in cands}
     fused_serial = _serial_time(spec, "fused", 1, timings)
@@ -221,7 +226,9 @@ def _measure(spec: RNNSpec) -> dict:
 
         return run
 
-    shapes = {shape for k in (1, *CHUNK_CANDIDATES) for _, _, shape in _pieces(spec, k)}
+    chunked = not spec.barrier and _cores() >= MIN_CORES_CHUNKED  # as in choose_rnn_form
+    ks = (1, *CHUNK_CANDIDATES) if chunked else (1,)
+    shapes = {shape for k in ks for _, _, shape in _pieces(spec, k)}
     half = max(1, torch.get_num_threads() // 2)
     timings: dict = {}
     with torch.enable_grad():

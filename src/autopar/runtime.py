@@ -30,9 +30,9 @@ Idle OpenMP teams
     master thread (``GOMP_SPINCOUNT``, default 300k spins: milliseconds) before they sleep.
     When the calling thread ran a 2-thread op just before a multi-stream program (the user's
     eager ops, the previous graph), its idle team thread spins on the core the second stream
-    needs: two 1-thread LSTM layers (hidden 128, fw+bw) run concurrently measured 0.85x of
-    one after the other right after a 2-thread op, and 1.55x when the spinning team was
-    released first (``/tmp`` probe, recorded in docs/benchmarks.md). ``run_streams``
+    needs: two 1-thread LSTM layers (hidden 128, fw+bw) run concurrently measured 0.47x of
+    one after the other right after a 2-thread op, and 1.22x when the spinning team was
+    released first (``benchmarks/omp_spin_probe.py``). ``run_streams``
     therefore releases the calling thread's idle team first (OpenMP 5.0
     ``omp_pause_resource_all(omp_pause_soft)``, ~60 us including re-creating the team at the
     next parallel op). ``OMP_WAIT_POLICY=PASSIVE`` would stop all spinning instead, but it
