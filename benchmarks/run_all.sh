@@ -12,6 +12,8 @@ run() { local name=$1; shift; echo "== $name: $*"; ( time "$@" ) 2>&1 | tee "$ou
 run training $PY benchmarks/bench_training.py --out "$out/training.json" --csv "$out/training.csv" ${1:+--no-inductor}
 run lstm $PY benchmarks/bench_lstm.py
 run cell_loop $PY benchmarks/bench_cell_loop.py
+run gru_cell_loop $PY benchmarks/bench_cell_loop.py --gru
+run omp_spin $PY benchmarks/omp_spin_probe.py
 run adaptive $PY benchmarks/bench_adaptive.py
 run distributed $PY benchmarks/bench_distributed.py --quick
 run demo .venv/bin/autopar demo --out "$out/demo" --no-progress
