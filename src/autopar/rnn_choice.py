@@ -126,7 +126,7 @@ def predict_rnn_form(spec: RNNSpec, form: str, k: int, timings: dict, sync_s=SYN
     if form == "unrolled":
         return min(timings["unrolled"])
     pieces = _pieces(spec, k if form == "chunked" else 1)
-    serial = _serial_time(spec, form, k, timings)
+    serial = sum(timings[shape][0] for _, _, shape in pieces)
     if _cores() < 2:
         return serial
     slow = 2.0 / min(2.0, max(1.0, timings.get("pair", 2.0)))  # per piece, when overlapped
@@ -140,6 +140,11 @@ def _serial_time(spec: RNNSpec, form: str, k: int, timings: dict) -> float:
     return sum(timings[shape][0] for _, _, shape in pieces)
 
 
+def _chunked_candidates(spec: RNNSpec) -> bool:
+    """Whether chunked forms are timed and considered (see MIN_CORES_CHUNKED)."""
+    return not spec.barrier and _cores() >= MIN_CORES_CHUNKED
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -150,7 +155,7 @@ def _cores() -> int:
 def choose_rnn_form(spec: RNNSpec, timings: dict, sync_s=SYNC_S):
     """``((form, k), {candidate: predicted seconds})`` -- deterministic given ``timings``."""
     cands = [("fused", 1), ("unrolled", 1)]
-    if not spec.barrier and _cores() >= MIN_CORES_CHUNKED:
+    if _chunked_candidates(spec):
         cands += [("chunked", k) for k in CHUNK_CANDIDATES if k <= spec.steps]
     pred = {c: predict_rnn_form(spec, *c, timings, sync_s) for c in cands}
     fused_serial = _serial_time(spec, "fused", 1, timings)
@@ -226,8 +231,7 @@ def _measure(spec: RNNSpec) -> dict:
 
         return run
 
-    chunked = not spec.barrier and _cores() >= MIN_CORES_CHUNKED  # as in choose_rnn_form
-    ks = (1, *CHUNK_CANDIDATES) if chunked else (1,)
+    ks = (1, *CHUNK_CANDIDATES) if _chunked_candidates(spec) else (1,)
     shapes = {shape for k in ks for _, _, shape in _pieces(spec, k)}
     half = max(1, torch.get_num_threads() // 2)
     timings: dict = {}
