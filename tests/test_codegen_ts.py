@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
+from oracle import assert_close_to_oracle, max_err
 from test_codegen import (
     ARGS,
     BW_ARGS,
@@ -131,6 +132,17 @@ def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
         assert_same(prog.fn(*args), gm(*args))
 
 
+def _worse(a, b, ref):
+    """Of two eager results, the one further from the fp64 reference."""
+    if ref is None:
+        return None
+    return a if max_err(a, ref) >= max_err(b, ref) else b
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
 def _example(node: torch.fx.Node):
     v = node.meta["val"]
     if not isinstance(v, torch.Tensor):
@@ -159,13 +171,25 @@ def test_zoo_forward_and_backward_graphs(name):
         assert len(prog.streams_used) == 2
         py = generate(r.gm, plan, r.tag, executor="python")
         args = [_example(n) for n in r.gm.graph.nodes if n.op == "placeholder"]
+        # Judge by the fp64 oracle, not bitwise: the streams run 1 intra-op thread and the
+        # reference programs may run more, so reductions may round differently. Eager at
+        # either thread count is a valid eager run: its larger error sets the bar.
+        args64 = [a.double() if _is_float(a) else a for a in args]
         with torch.no_grad():
+            ref = r.gm(*args64)
+            eager_nt = r.gm(*args)
+            with intra_op_threads(1):
+                eager_1t = r.gm(*args)
+            eager = [_worse(a, b, f) for a, b, f in zip(eager_nt, eager_1t, ref, strict=True)]
             want = py.fn(*args)
             for _ in range(2):
                 got = prog.fn(*args)
                 assert type(got) is type(want) and len(got) == len(want)
-                for a, b in zip(got, want, strict=True):
-                    assert (a is None and b is None) or torch.equal(a, b)
-            with intra_op_threads(1):  # the plan's streams run 1 thread: same reductions
-                eager = r.gm(*args)
-            torch.testing.assert_close(prog.fn(*args), eager, equal_nan=True, rtol=0, atol=0)
+                for i, (a, e, f) in enumerate(zip(got, eager, ref, strict=True)):
+                    if f is None:
+                        assert a is None
+                        continue
+                    assert_close_to_oracle(f"{r.tag} output {i} (torchscript)", a, e, f)
+            for i, (a, e, f) in enumerate(zip(want, eager, ref, strict=True)):
+                if f is not None:
+                    assert_close_to_oracle(f"{r.tag} output {i} (python)", a, e, f)
