@@ -10,7 +10,7 @@ Run from the repository root::
    forward+backward time. On a loaded machine the end-to-end difference is noise-dominated,
    so the monitor's own bookkeeping per graph call is also timed directly (``monitor us``).
 2. Slowdown: a two-branch model (a matmul chain next to a conv chain) on 2 streams; after
-   warm-up ``autopar.adapt.inject_slowdown(target="aten.mm.default", factor=...)`` makes the
+   warm-up ``autopar.adapt.monitor.inject_slowdown(target="aten.mm.default", factor=...)`` makes the
    matmuls look slower (the documented, deterministic test hook: measured time includes the
    simulated extra cost of the running plan). The monitor detects the drift, re-profiles,
    re-plans in the background and swaps the new plan in. The table compares the stale plan
@@ -30,8 +30,9 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar import adapt, zoo
-from autopar.store import ProfileStore
+from autopar.adapt import monitor as adapt
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 
 class TwoBranch(nn.Module):
@@ -87,9 +88,9 @@ def overhead(model_name: str, steps: int, store) -> list[str]:
 
 
 def slowdown(factor: float, store) -> list[str]:
-    from autopar.partition import _default_machine
-    from autopar.simulate import simulate
-    from autopar.taskgraph import task_graph_from_profile
+    from autopar.planning.partition import _default_machine
+    from autopar.planning.simulate import simulate
+    from autopar.planning.taskgraph import task_graph_from_profile
 
     model = TwoBranch()
     g = torch.Generator().manual_seed(0)

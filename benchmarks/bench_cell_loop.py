@@ -1,4 +1,4 @@
-"""nn.LSTMCell / nn.GRUCell time loop: capture and training-step time, with ``autopar.rnn_fuse``.
+"""nn.LSTMCell / nn.GRUCell time loop: capture and training-step time, with ``autopar.rnn.fuse``.
 
 Model: ``zoo.LSTMCellStack()`` (4 layers, hidden 256, input 64), input [16, 32, 64];
 ``--gru``: ``zoo.GRUCellStack()`` of the same sizes, against ``nn.GRU``.
@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 
 import autopar
-import autopar.rnn_fuse
-from autopar import zoo
-from autopar.store import ProfileStore
+import autopar.rnn.fuse
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 
 def lstm_with_weights_of(cells: zoo.LSTMCellStack) -> nn.LSTM:
@@ -59,12 +59,12 @@ class LSTMOut(nn.Module):
 
 @contextlib.contextmanager
 def fusion_disabled():
-    saved = autopar.rnn_fuse.fuse_cell_loops
-    autopar.rnn_fuse.fuse_cell_loops = lambda gm, chunks=1: 0
+    saved = autopar.rnn.fuse.fuse_cell_loops
+    autopar.rnn.fuse.fuse_cell_loops = lambda gm, chunks=1: 0
     try:
         yield
     finally:
-        autopar.rnn_fuse.fuse_cell_loops = saved
+        autopar.rnn.fuse.fuse_cell_loops = saved
 
 
 def first_result(model, x, store_dir: str) -> tuple[float, float, nn.Module]:

@@ -38,7 +38,7 @@ MODELS = {
 
 
 def _mlp(d_in: int, hidden: int, depth: int) -> nn.Module:
-    from autopar.zoo import MLP
+    from autopar.tools.zoo import MLP
 
     return MLP(d_in, hidden, 16, depth)
 
@@ -64,8 +64,8 @@ def _time_steps(fn, steps: int) -> float:
 
 
 def _single(name: str, steps: int) -> dict:
-    from autopar.step import compile_step
-    from autopar.store import ProfileStore
+    from autopar.parallel.step import compile_step
+    from autopar.profiling.store import ProfileStore
 
     out = {}
     model, x, y = _data(name)
@@ -86,7 +86,7 @@ def _single(name: str, steps: int) -> dict:
 
 def _worker(name: str, steps: int) -> None:
     """Under torchrun: auto, data, pipeline in one process group; rank 0 prints JSON."""
-    from autopar.step import compile_step
+    from autopar.parallel.step import compile_step
 
     res = {}
     for mode in ("auto", "data", "pipeline"):

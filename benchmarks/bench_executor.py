@@ -24,8 +24,8 @@ import warnings
 import torch
 
 import autopar
-from autopar import zoo
-from autopar.store import ProfileStore
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 INPUTS = {"towers": lambda: (torch.randn(32, 64),)}
 

@@ -11,7 +11,7 @@ bidirectional 2-layer LSTM at hidden 256 (4 layer-directions), and the same thre
 Variants per config: eager ``nn.LSTM`` (ATen's fused oneDNN layer loop) or ``nn.GRU``
 (ATen's C++ loop of cell ops; oneDNN has no CPU GRU layer), ``autopar.compile``
 with the default (measured) form choice, and autopar with each form forced through
-``AUTOPAR_RNN_FORM`` (``autopar.rnn_layers``). A step is forward + backward + SGD.
+``AUTOPAR_RNN_FORM`` (``autopar.rnn.layers``). A step is forward + backward + SGD.
 
 Each config runs in a fresh process (Dynamo caches are per code object). Variants are
 interleaved: every round times ``--steps`` steps of each variant in turn; the table shows the
@@ -95,7 +95,7 @@ def run_config(name: str, rounds: int, steps: int, threads: int | None) -> dict:
                 _step(model, opts[key], x)
             times[key].append((time.perf_counter() - t0) / steps)
     os.environ.pop("AUTOPAR_RNN_FORM", None)
-    from autopar.rnn_layers import _CHOICES  # the chooser's cache
+    from autopar.rnn.layers import _CHOICES  # the chooser's cache
 
     chosen = sorted({f"{f}:{k}" if f == "chunked" else f for f, k in _CHOICES.values()})
     return {

@@ -1,6 +1,6 @@
 """Training-step benchmark: eager vs torch.compile vs autopar, interleaved in one process.
 
-The same code as ``autopar bench`` (``autopar.bench``); see benchmarks/README.md. Run::
+The same code as ``autopar bench`` (``autopar.tools.bench``); see benchmarks/README.md. Run::
 
     .venv/bin/python benchmarks/bench_training.py                     # all models, ~minutes
     .venv/bin/python benchmarks/bench_training.py --models towers --no-inductor
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autopar.bench import add_arguments, main
+from autopar.tools.bench import add_arguments, main
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -33,8 +33,8 @@ def _err(a, ref):
 def check_equivalence(name: str, streams: int) -> str:
     """'ok' or the first tensor that breaks the fp64-oracle rule."""
     import autopar
-    from autopar import zoo
-    from autopar.store import ProfileStore
+    from autopar.profiling.store import ProfileStore
+    from autopar.tools import zoo
 
     model, inputs = zoo.build(name)
     dev = torch.device("cuda:0")
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device here: nothing to check (run it on a GPU machine)")
         return 0
     import autopar
-    from autopar import zoo
-    from autopar.store import ProfileStore
+    from autopar.profiling.store import ProfileStore
+    from autopar.tools import zoo
 
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     failures = 0

@@ -8,7 +8,7 @@ on two threads at one intra-op thread each (the way autopar runs two CPU streams
 2. right after a 2-thread GEMM on the calling thread (as in a training step, where eager
    ops and the previous graph run at full width): the calling thread's idle OpenMP team
    thread spin-waits (``GOMP_SPINCOUNT``) on the core the second stream needs;
-3. as 2., with that idle team released first (``autopar.runtime.release_idle_omp_team``,
+3. as 2., with that idle team released first (``autopar.runtime.streams.release_idle_omp_team``,
    which ``run_streams`` calls).
 
 Run::
@@ -25,8 +25,12 @@ import time
 import torch
 from torch import nn
 
-from autopar.rnn import fused_lstm_layer
-from autopar.runtime import intra_op_threads, release_idle_omp_team, set_thread_local_threads
+from autopar.rnn.cells import fused_lstm_layer
+from autopar.runtime.streams import (
+    intra_op_threads,
+    release_idle_omp_team,
+    set_thread_local_threads,
+)
 
 
 def best_ms(fn, reps: int = 9) -> float:

@@ -28,8 +28,8 @@ from functorch.compile import make_boxed_func
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
-import autopar.rnn as rnn
-from autopar.rnn import rewrite_rnns
+import autopar.rnn.cells as rnn
+from autopar.rnn.cells import rewrite_rnns
 
 
 class CellStack(nn.Module):

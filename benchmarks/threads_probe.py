@@ -75,7 +75,7 @@ def probe_thread_semantics(repeats: int) -> list[tuple[str, str]]:
         return _in_thread(body)
 
     def mm_time_ctypes(k):  # autopar's way: thread-local OpenMP/MKL setters via ctypes
-        from autopar.runtime import set_thread_local_threads
+        from autopar.runtime.streams import set_thread_local_threads
 
         def body():
             set_thread_local_threads(k)

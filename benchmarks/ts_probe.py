@@ -7,7 +7,7 @@ Run::
 Two independent chains of ``n`` x ``tanh(x[B,K] @ W[K,K])`` run
 (a) serially in eager on the calling thread with the default intra-op threads,
 (b) by two persistent Python worker threads with 1 intra-op thread each (autopar's current
-    CPU executor: ``autopar.runtime.run_streams``, Events for start/finish),
+    CPU executor: ``autopar.runtime.streams.run_streams``, Events for start/finish),
 (c) in one TorchScript function that ``torch.jit.fork``-s a scripted chain (straight-line
     generated source, like codegen would emit) per chain and ``torch.jit.wait``-s both,
     with ``torch.set_num_threads(1)`` (the inter-op pool has ``get_num_interop_threads()``),
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from autopar import runtime as rt
+from autopar.runtime import streams as rt
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""Train a zoo model with autopar.step.compile_step, in one process or under torchrun.
+"""Train a zoo model with autopar.parallel.step.compile_step, in one process or under torchrun.
 
 One process::
 
@@ -20,8 +20,8 @@ import logging
 import torch
 import torch.nn as nn
 
-from autopar import zoo
-from autopar.step import compile_step
+from autopar.parallel.step import compile_step
+from autopar.tools import zoo
 
 
 def main() -> None:

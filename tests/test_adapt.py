@@ -1,6 +1,6 @@
 """Adaptive execution: the monitor, drift -> re-plan, the shape cache, memory budgets.
 
-No test asserts on a timing: slowdowns are injected with ``autopar.adapt.inject_slowdown``
+No test asserts on a timing: slowdowns are injected with ``autopar.adapt.monitor.inject_slowdown``
 (deterministic, no sleeping) and drift thresholds are set far above timing noise.
 """
 
@@ -16,12 +16,13 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar import adapt, zoo
+from autopar.adapt import monitor as adapt
 from autopar.errors import FallbackWarning, PlanError
-from autopar.partition import _default_machine, make_plan
-from autopar.simulate import simulate
-from autopar.store import ProfileStore
-from autopar.taskgraph import task_graph_from_profile
+from autopar.planning.partition import _default_machine, make_plan
+from autopar.planning.simulate import simulate
+from autopar.planning.taskgraph import task_graph_from_profile
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 
 class TwoBranch(nn.Module):

@@ -1,6 +1,7 @@
 """The ``autopar`` command line: help texts, profile/plan/bench runs, clear errors.
 
-Runs ``autopar.cli.main`` in-process (fast); one test runs ``python -m autopar.cli`` for real.
+Runs ``autopar.tools.cli.main`` in-process (fast); one test runs
+``python -m autopar.tools.cli`` for real.
 Every run writes into ``tmp_path`` (never ./profiles or ./results).
 """
 
@@ -13,8 +14,8 @@ import sys
 
 import pytest
 
-from autopar.cli import build_parser, main
-from autopar.plan import Plan
+from autopar.planning.plan import Plan
+from autopar.tools.cli import build_parser, main
 
 SUBCOMMANDS = ["profile", "plan", "bench", "demo"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,7 +39,7 @@ def test_top_level_help_lists_every_subcommand(capsys):
 
 def test_module_entry_point_runs():
     proc = subprocess.run(
-        [sys.executable, "-m", "autopar.cli", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "autopar.tools.cli", "--help"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     assert "profile" in proc.stdout
@@ -69,7 +70,7 @@ def test_profile_prints_top_operators_and_writes_the_store(tmp_path, capsys):
     rc = main(
         [
             "profile",
-            "autopar.zoo:mlp",
+            "autopar.tools.zoo:mlp",
             "--input-shape",
             "16,32",
             "--out",
@@ -95,7 +96,7 @@ def test_profile_prints_top_operators_and_writes_the_store(tmp_path, capsys):
 )
 def test_bad_input_shape_is_a_clear_error(shape, expected, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["profile", "autopar.zoo:mlp", "--input-shape", shape])
+        main(["profile", "autopar.tools.zoo:mlp", "--input-shape", shape])
     assert exc.value.code == 2  # argparse usage error
     err = capsys.readouterr().err
     assert "--input-shape" in err and expected in err
@@ -103,17 +104,17 @@ def test_bad_input_shape_is_a_clear_error(shape, expected, capsys):
 
 def test_missing_input_shape_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit) as exc:
-        main(["profile", "autopar.zoo:mlp", "--out", str(tmp_path / "p.json")])
+        main(["profile", "autopar.tools.zoo:mlp", "--out", str(tmp_path / "p.json")])
     assert "--input-shape" in str(exc.value.code)
 
 
 @pytest.mark.parametrize(
     "spec, expected",
     [
-        ("autopar.zoo", "expected MODULE:FACTORY"),
+        ("autopar.tools.zoo", "expected MODULE:FACTORY"),
         ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
-        ("autopar.zoo:no_such_factory", "has no callable 'no_such_factory'"),
-        ("autopar.zoo:MODELS", "has no callable 'MODELS'"),
+        ("autopar.tools.zoo:no_such_factory", "has no callable 'no_such_factory'"),
+        ("autopar.tools.zoo:MODELS", "has no callable 'MODELS'"),
     ],
 )
 def test_bad_model_spec_is_a_clear_error(spec, expected, tmp_path):
@@ -127,7 +128,7 @@ def test_plan_writes_gantt_and_plan_json(tmp_path, capsys):
     rc = main(
         [
             "plan",
-            "autopar.zoo:mlp",
+            "autopar.tools.zoo:mlp",
             "--input-shape",
             "16,32",
             "--streams",

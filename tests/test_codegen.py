@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.codegen import generate, is_rng
+from autopar.codegen.python import generate, is_rng
 from autopar.errors import PlanError
-from autopar.plan import Plan, Stream, Sync, node_key
+from autopar.planning.plan import Plan, Stream, Sync, node_key
 
 TAG = "g0.fw"
 

@@ -23,12 +23,12 @@ from test_codegen import (
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
-from autopar import zoo
-from autopar.codegen import generate
-from autopar.codegen_ts import FALLBACK_NOTE, generate_ts
-from autopar.partition import make_plan as plan_graph
-from autopar.runtime import intra_op_threads
-from autopar.store import ProfileStore
+from autopar.codegen.python import generate
+from autopar.codegen.torchscript import FALLBACK_NOTE, generate_ts
+from autopar.planning.partition import make_plan as plan_graph
+from autopar.profiling.store import ProfileStore
+from autopar.runtime.streams import intra_op_threads
+from autopar.tools import zoo
 
 
 def _is_ts(prog) -> bool:

@@ -8,7 +8,7 @@ import time
 import networkx as nx
 import pytest
 
-from autopar.costmodel import (
+from autopar.planning.costmodel import (
     MachineModel,
     calibrate,
     calibration_name,
@@ -21,10 +21,10 @@ from autopar.costmodel import (
     transfer_time,
     wants_intra_op,
 )
-from autopar.partition import make_plan
-from autopar.plan import Stream
-from autopar.simulate import OVERSUBSCRIBED_TEAM_RATE, simulate
-from autopar.taskgraph import make_node_attrs
+from autopar.planning.partition import make_plan
+from autopar.planning.plan import Stream
+from autopar.planning.simulate import OVERSUBSCRIBED_TEAM_RATE, simulate
+from autopar.planning.taskgraph import make_node_attrs
 
 M = MachineModel.default_cpu()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.cli import main
-from autopar.demo import VOCAB, CharLM, compare_curves, load_corpus, make_batches
+from autopar.tools.cli import main
+from autopar.tools.demo import VOCAB, CharLM, compare_curves, load_corpus, make_batches
 
 TINY = ["--hidden", "16", "--layers", "1", "--emb", "8", "--seq-len", "6", "--batch", "4"]
 TINY += ["--steps", "4", "--corpus-kb", "8", "--streams", "2", "--no-progress"]

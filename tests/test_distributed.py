@@ -19,8 +19,7 @@ import torch
 import torch.nn as nn
 from oracle import assert_close_to_oracle
 
-from autopar import zoo
-from autopar.distributed import (
+from autopar.parallel.distributed import (
     CommModel,
     DistributedError,
     LayerCost,
@@ -28,8 +27,9 @@ from autopar.distributed import (
     plan_distributed,
     split_candidates,
 )
-from autopar.multigpu import compile_multi_device
-from autopar.step import compile_step
+from autopar.parallel.multigpu import compile_multi_device
+from autopar.parallel.step import compile_step
+from autopar.tools import zoo
 
 STEPS = 3
 CASES = [("mlp", "sgd"), ("inception", "momentum"), ("lstm", "adam")]
@@ -250,7 +250,7 @@ def test_failed_peer_ends_every_rank_with_a_clear_error(tmp_path, scenario):
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_one_process_step_with_overlapped_optimizer(kind, compiled):
-    from autopar.store import ProfileStore
+    from autopar.profiling.store import ProfileStore
 
     model, x, y = _case("mlp")
     work = copy.deepcopy(model)

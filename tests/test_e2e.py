@@ -10,9 +10,9 @@ import torch
 from oracle import check_training
 
 import autopar
-from autopar import zoo
 from autopar.errors import CaptureError, FallbackWarning
-from autopar.store import ProfileStore
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 FAMILIES = [
     "mlp",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import networkx as nx
 import pandas as pd
 
-from autopar.costmodel import MachineModel
-from autopar.inspect import COLUMNS, plan_dataframe, plan_gantt, plan_networkx, plan_summary
-from autopar.partition import make_plan
-from autopar.plan import Plan
-from autopar.taskgraph import fork_join_graph
-from autopar.verify import verify_plan
+from autopar.planning.costmodel import MachineModel
+from autopar.planning.partition import make_plan
+from autopar.planning.plan import Plan
+from autopar.planning.report import COLUMNS, plan_dataframe, plan_gantt, plan_networkx, plan_summary
+from autopar.planning.taskgraph import fork_join_graph
+from autopar.planning.verify import verify_plan
 
 M = MachineModel.default_cpu()
 

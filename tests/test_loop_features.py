@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar import zoo
-from autopar.store import ProfileStore
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 
 def _compile(model, **kw):

@@ -15,25 +15,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.costmodel import MachineModel, thread_layouts, transfer_time
 from autopar.errors import PlanError
-from autopar.partition import (
+from autopar.planning.costmodel import MachineModel, thread_layouts, transfer_time
+from autopar.planning.partition import (
     POLICIES,
     chain_cover,
     make_plan,
     minimal_syncs,
     stage_partition,
 )
-from autopar.plan import Plan, Stream
-from autopar.simulate import simulate
-from autopar.taskgraph import (
+from autopar.planning.plan import Plan, Stream
+from autopar.planning.simulate import simulate
+from autopar.planning.taskgraph import (
     chain_graph,
     fork_join_graph,
     random_dag,
     synthetic_task_graph,
     task_graph_from_profile,
 )
-from autopar.verify import verify_plan
+from autopar.planning.verify import verify_plan
 
 M = MachineModel.default_cpu()
 TWO = [Stream(0, "cpu", 1), Stream(1, "cpu", 1)]

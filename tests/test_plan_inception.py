@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import autopar
-from autopar import zoo
-from autopar.costmodel import MachineModel
-from autopar.partition import make_plan
-from autopar.store import ProfileStore
+from autopar.planning.costmodel import MachineModel
+from autopar.planning.partition import make_plan
+from autopar.profiling.store import ProfileStore
+from autopar.tools import zoo
 
 
 def test_inception_two_streams_predicted_at_most_0_7_of_serial():

@@ -15,11 +15,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_leaves
 
 from autopar.errors import StoreWarning
-from autopar.profile import COLUMNS, profile_graph, profile_table_summary, signature
-from autopar.store import ProfileStore
+from autopar.profiling.profiler import COLUMNS, profile_graph, profile_table_summary, signature
+from autopar.profiling.store import ProfileStore
 
-# autopar.profile is also the name of the public function autopar.profile(): get the module.
-prof = importlib.import_module("autopar.profile")
+prof = importlib.import_module("autopar.profiling.profiler")
 FAST = {"warmup": 1, "repeats": 1}  # timing quality is not what these tests check
 
 

@@ -1,4 +1,4 @@
-"""autopar.rnn: the cell custom ops and the LSTM/GRU module rewrite.
+"""autopar.rnn.cells: the cell custom ops and the LSTM/GRU module rewrite.
 
 Accuracy rule (the "fp64 oracle"): for every output and gradient, autopar's max error vs an
 fp64 run of the same model is at most 2x eager fp32's error + 1e-6.
@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from autopar.errors import CaptureError
-from autopar.rnn import rewrite_rnns
+from autopar.rnn.cells import rewrite_rnns
 
 IN, H, B = 5, 6, 3
 

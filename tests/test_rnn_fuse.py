@@ -1,4 +1,4 @@
-"""autopar.rnn_fuse: nn.LSTMCell / nn.GRUCell time loops become fused layer calls, when safe."""
+"""autopar.rnn.fuse: nn.LSTMCell / nn.GRUCell time loops become fused layer calls, when safe."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch.nn as nn
 from oracle import check_training
 
 import autopar
-from autopar import zoo
 from autopar.errors import FallbackWarning
-from autopar.rnn import rewrite_rnns
-from autopar.rnn_fuse import fuse_cell_loops
-from autopar.store import ProfileStore
+from autopar.profiling.store import ProfileStore
+from autopar.rnn.cells import rewrite_rnns
+from autopar.rnn.fuse import fuse_cell_loops
+from autopar.tools import zoo
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn) on CPU"

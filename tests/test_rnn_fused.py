@@ -1,4 +1,4 @@
-"""autopar.rnn_layers: fused / chunked nn.LSTM and nn.GRU forms (one op per layer), the choice.
+"""autopar.rnn.layers: fused / chunked nn.LSTM and nn.GRU forms (one op per layer), the choice.
 
 Accuracy: the fp64-oracle rule of tests/oracle.py on outputs, h_n, c_n and every gradient.
 """
@@ -16,9 +16,14 @@ from oracle import assert_close_to_oracle, check_training
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
-import autopar.rnn_choice as rc
-import autopar.rnn_layers as rl
-from autopar.rnn import fused_lstm_layer, mkldnn_lstm_usable, rewrite_rnns, unrolled_lstm_layer
+import autopar.rnn.choice as rc
+import autopar.rnn.layers as rl
+from autopar.rnn.cells import (
+    fused_lstm_layer,
+    mkldnn_lstm_usable,
+    rewrite_rnns,
+    unrolled_lstm_layer,
+)
 
 IN, H, B, T = 5, 6, 3, 7
 pytestmark = pytest.mark.skipif(
@@ -292,7 +297,7 @@ def test_gru_cannot_use_onednn():
 def test_autopar_compile_trains_like_eager(kind, form, monkeypatch):
     """The whole pipeline (capture, profile, plan, worker streams) on the fused forms."""
     import autopar
-    from autopar.store import ProfileStore
+    from autopar.profiling.store import ProfileStore
 
     monkeypatch.setenv("AUTOPAR_RNN_FORM", form)
     torch.manual_seed(0)

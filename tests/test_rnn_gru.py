@@ -1,4 +1,4 @@
-"""autopar.rnn_gru: the one-op GRU layer (ATen's loop forward, batched-recompute backward)."""
+"""autopar.rnn.gru: the one-op GRU layer (ATen's loop forward, batched-recompute backward)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.rnn_gru import fused_gru_layer, gru_layer_usable
+from autopar.rnn.gru import fused_gru_layer, gru_layer_usable
 
 IN, H, B, T = 5, 7, 3, 6
 

@@ -9,8 +9,8 @@ import torch
 from test_codegen import ARGS, TAG, assert_same, branches, make_plan
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import autopar.runtime as rt
-from autopar.codegen import generate
+import autopar.runtime.streams as rt
+from autopar.codegen.python import generate
 
 
 def run_with_deadline(fn, seconds=60.0):

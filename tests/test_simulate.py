@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.costmodel import MachineModel, transfer_time
 from autopar.errors import PlanError
-from autopar.plan import Stream
-from autopar.simulate import critical_path, lower_bound, peak_memory, simulate
-from autopar.taskgraph import chain_graph, fork_join_graph, make_node_attrs, random_dag
+from autopar.planning.costmodel import MachineModel, transfer_time
+from autopar.planning.plan import Stream
+from autopar.planning.simulate import critical_path, lower_bound, peak_memory, simulate
+from autopar.planning.taskgraph import chain_graph, fork_join_graph, make_node_attrs, random_dag
 
 M = MachineModel.default_cpu()
 ONE = [Stream(0, "cpu", 1)]
@@ -129,7 +129,7 @@ def test_gil_serialises_python_dispatch_of_concurrent_streams():
     op is all dispatch (gil_s >= cost) the streams gain nothing over one stream."""
     import dataclasses
 
-    from autopar.taskgraph import fork_join_graph
+    from autopar.planning.taskgraph import fork_join_graph
 
     g = fork_join_graph([[1e-3] * 4, [1e-3] * 4])
     order = list(nx.topological_sort(g))

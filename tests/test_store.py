@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from autopar.errors import StoreWarning
-from autopar.store import (
+from autopar.profiling.store import (
     STORE_FORMAT,
     STORE_VERSION,
     ProfileStore,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 CHECKS = textwrap.dedent(
     """
     import torch
-    from autopar.kernels import triton_cells as tc
+    from autopar.runtime.kernels import triton_cells as tc
 
     def lstm_ref(ig, hg, c):
         i, f, g, o = (ig + hg).chunk(4, -1)
@@ -67,7 +67,7 @@ CHECKS = textwrap.dedent(
                 close(a, b, f"{bwd.__name__} {lead} H={hidden} grad{k}")
 
     # The custom ops' CUDA path dispatches to these kernels: force it on CPU tensors.
-    import autopar.rnn as rnn
+    import autopar.rnn.cells as rnn
 
     def op_fw_bw(op, *args):
         xs = [t.clone().requires_grad_() for t in args]

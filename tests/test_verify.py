@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.costmodel import MachineModel
 from autopar.errors import PlanError
-from autopar.partition import make_plan
-from autopar.plan import Plan, Stream, Sync
-from autopar.taskgraph import chain_graph, fork_join_graph
-from autopar.verify import verify_plan
+from autopar.planning.costmodel import MachineModel
+from autopar.planning.partition import make_plan
+from autopar.planning.plan import Plan, Stream, Sync
+from autopar.planning.taskgraph import chain_graph, fork_join_graph
+from autopar.planning.verify import verify_plan
 
 M = MachineModel.default_cpu()
 S2 = (Stream(0, "cpu", 1), Stream(1, "cpu", 1))

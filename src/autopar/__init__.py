@@ -5,19 +5,18 @@ Example::
     import autopar
     model = autopar.compile(model)   # then train exactly as before
 
-The pipeline (one module per stage): ``capture`` -> ``profile`` -> ``partition`` (cost model,
-simulator) -> ``codegen`` -> ``runtime``; ``api`` composes them.
+A package per stage, imports flowing one way (docs/architecture.md)::
+
+    capture -> profiling -> planning -> codegen -> runtime -> rnn -> adapt
+            -> pipeline, api (compose) -> parallel -> tools
+
+``api`` only composes; ``errors`` is shared by all.
 """
 
-# The submodules autopar.plan and autopar.profile share their names with the public
-# functions autopar.plan() and autopar.profile(). Import the modules first: Python sets the
-# package attribute when a submodule is first loaded, so the functions, bound last, win.
-import autopar.plan as _plan_module  # noqa: F401
-import autopar.profile as _profile_module  # noqa: F401
-from autopar.adapt import AdaptOptions, stats
+from autopar.adapt.monitor import AdaptOptions, stats
 from autopar.api import CompiledModule, CompileOptions, compile, explain, plan, profile
-from autopar.plan import Plan, Stream, Sync
-from autopar.step import compile_step
+from autopar.parallel.step import compile_step
+from autopar.planning.plan import Plan, Stream, Sync
 
 __version__ = "0.1.0"
 

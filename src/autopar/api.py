@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.adapt import AdaptOptions
-from autopar.capture import GraphRecord, dynamo_compile
+from autopar.adapt.monitor import AdaptOptions
+from autopar.capture.backend import GraphRecord, dynamo_compile
 from autopar.errors import CaptureError
 from autopar.pipeline import Pipeline
 
@@ -39,8 +39,8 @@ class CompileOptions:
     debug_dir: str | None = None  # default: $AUTOPAR_DEBUG_DIR
     warmup: int = 2  # profiler warm-up runs per operator signature
     repeats: int = 5  # profiler timed runs per operator signature
-    adapt: Any = True  # True, False (no monitor) or an autopar.adapt.AdaptOptions
-    cache_size: int = 8  # plans kept per input signature (LRU; see autopar.adapt.PlanCache)
+    adapt: Any = True  # True, False (no monitor) or an autopar.adapt.monitor.AdaptOptions
+    cache_size: int = 8  # plans kept per input signature (LRU; see autopar.adapt.monitor.PlanCache)
 
     def __post_init__(self):
         if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
@@ -130,7 +130,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             (sharing the same Parameters); ``"eager"`` leaves them to Dynamo.
         debug_dir: write graphs, profile, plan.json, program and Gantt chart here
             (default ``$AUTOPAR_DEBUG_DIR``).
-        adapt: ``True`` (default ``AdaptOptions()``), an ``autopar.adapt.AdaptOptions``, or
+        adapt: ``True`` (default ``AdaptOptions()``), an ``autopar.adapt.monitor.AdaptOptions``, or
             ``False``: time every graph call against the plan's prediction
             (``autopar.stats``) and re-plan on persistent drift (docs/adaptive.md).
         cache_size: plans kept per input signature (shapes, dtypes, train/eval, grad mode,
@@ -213,7 +213,7 @@ def plan(model: nn.Module, *example_inputs, streams: int | None = None, **option
 
         p = autopar.plan(model, torch.randn(16, 32), streams=2)
         print(p.summary()); p.gantt("plan.png")"""
-    from autopar.plan import Plan
+    from autopar.planning.plan import Plan
 
     _, run = _run_once(model, example_inputs, streams=streams, **options)
     plans = [r.plan for r in run.records if r.plan is not None]

@@ -1,5 +1,5 @@
 """The per-model pipeline: capture, then for each graph on its first real call
-profile -> plan -> codegen; later calls go through the adaptive monitor (``autopar.adapt``).
+profile -> plan -> codegen; later calls go through the adaptive monitor (``autopar.adapt.monitor``).
 
 ``autopar.compile`` makes one ``Pipeline`` per compiled module. Example::
 
@@ -17,8 +17,8 @@ import warnings
 
 import torch.nn as nn
 
-from autopar.adapt import AdaptOptions, Monitor, align_dynamo_limit, describe_key, input_key
-from autopar.capture import Capture, GraphRecord
+from autopar.adapt.monitor import AdaptOptions, Monitor, align_dynamo_limit, describe_key, input_key
+from autopar.capture.backend import Capture, GraphRecord
 from autopar.errors import warn_fallback
 
 #: Interleaved timed runs per candidate program at the first call (best of them counts).
@@ -48,7 +48,7 @@ class Pipeline:
     @property
     def store(self):
         if self._store is None:
-            from autopar.store import ProfileStore
+            from autopar.profiling.store import ProfileStore
 
             s = self.options.store
             self._store = s if isinstance(s, ProfileStore) else ProfileStore(s)
@@ -61,7 +61,7 @@ class Pipeline:
         self.monitor.begin_step(key, lambda: describe_key(key))
         t0 = time.perf_counter()
         if self.options.rnn == "unroll":
-            from autopar.rnn import rewrite_rnns
+            from autopar.rnn.cells import rewrite_rnns
 
             with rewrite_rnns(model):
                 out = compiled(*args, **kwargs)
@@ -73,7 +73,7 @@ class Pipeline:
 
     def prepare(self, record: GraphRecord, args: list):
         """Profile (running the graph once for real), plan, generate; return (out, runner)."""
-        from autopar.profile import profile_graph
+        from autopar.profiling.profiler import profile_graph
 
         opts = self.options
         debug_dir = opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR")
@@ -127,8 +127,8 @@ class Pipeline:
         the best time of each counts (noise only ever adds time). A multi-stream program
         must win by ``MEASURE_MARGIN`` to be kept.
         """
-        from autopar.codegen import generate, has_side_effects
-        from autopar.partition import make_plan
+        from autopar.codegen.python import generate, has_side_effects
+        from autopar.planning.partition import make_plan
 
         if len(getattr(program, "streams_used", ())) <= 1 or has_side_effects(record.gm):
             return plan, program
@@ -161,8 +161,8 @@ class Pipeline:
     def plan_and_generate(self, record: GraphRecord, table):
         """Plan ``table`` (one graph's profile) and generate its program (thread-safe: the
         adaptive re-planner calls it from a background thread)."""
-        from autopar.codegen import generate
-        from autopar.partition import make_plan
+        from autopar.codegen.python import generate
+        from autopar.planning.partition import make_plan
 
         opts = self.options
         t1 = time.perf_counter()

@@ -1,0 +1,522 @@
+"""Adaptive execution: monitor step times, detect drift, re-plan, cache plans per shape.
+
+Every call of a compiled graph after its first is timed (``perf_counter`` around the
+runner) and compared with the plan's prediction. Every ``sample_every``-th call of a
+multi-stream CPU program also times each stream function (``_stream_<k>`` of the generated
+program, wrapped for that one call), so ``stats(cmodel, per="graph")`` shows per-stream
+segments. Overhead: two ``perf_counter`` calls and one tuple append per graph call.
+
+Drift. ``ratio = measured / predicted`` per graph call. The cost model is not exact, so the
+first ``window`` calls after ``warmup`` set a per-graph ``baseline`` ratio; the graph has
+*drifted* when the median ratio over the last ``window`` calls, divided by the baseline,
+leaves ``[1/threshold, threshold]``. Run-time timing has no per-operator attribution, so a
+drifted graph is re-profiled *whole*: its next call runs through the profiler (which
+returns exactly what the program would; the profile re-measures every operator, ignoring
+the store), operators whose time moved by more than ``threshold`` are listed and written
+back to the store, then planning and codegen run in a background thread; the new program is
+swapped in at the next step boundary (the start of a forward call), under the record's lock,
+never during a graph call. A change of ``torch.get_num_threads()`` gets a new plan: Dynamo
+guards on the thread count, so the graph is recaptured and planned (a plan-cache miss); if
+a graph keeps running under another count anyway, the monitor re-profiles and re-plans it.
+If a re-plan does not change the prediction (the drift is not in the operators: e.g. another
+process took a core), the baseline is reset instead of re-planning again.
+
+Example::
+
+    >>> cmodel = autopar.compile(model, adapt=AdaptOptions(window=4))  # doctest: +SKIP
+    >>> for x, y in data:
+    ...     loss_fn(cmodel(x), y).backward()                       # doctest: +SKIP
+    >>> autopar.stats(cmodel).tail()                                # doctest: +SKIP
+
+Test hook: ``inject_slowdown(cmodel, "aten.mm.default", factor=20)`` makes that operator
+look ``factor`` times slower, deterministically, without sleeping: profiles scale its
+``time_s`` / ``time_1t_s``, and each timed call adds ``baseline * (S - T)`` to the measured
+time, where ``S`` and ``T`` are the simulated step times of the running plan with and
+without the scaled costs (so a plan that hides the op in a parallel branch pays less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopar.adapt.shapes import (  # noqa: F401 - re-exported: the pipeline uses them
+    PlanCache,
+    align_dynamo_limit,
+    describe_key,
+    input_key,
+)
+
+log = logging.getLogger("autopar")
+
+STEP_COLUMNS = ["step", "graphs", "shape", "predicted_s", "measured_s", "ratio", "plan", "event"]
+GRAPH_COLUMNS = [
+    "step", "graph", "shape", "predicted_s", "measured_s", "ratio", "plan", "streams_s", "event",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AdaptOptions:
+    """How ``autopar.compile(..., adapt=AdaptOptions(...))`` watches and re-plans.
+
+    Example::
+
+        >>> AdaptOptions(window=4, threshold=1.3).window
+        4
+    """
+
+    window: int = 32  # graph calls in the drift window (median) and in the baseline
+    threshold: float = 2.0  # drift: median ratio / baseline outside [1/threshold, threshold]
+    warmup: int = 4  # calls ignored after a (re)plan is installed (caches, worker start-up)
+    sample_every: int = 16  # time each stream function on every N-th call (0: never)
+    max_replans: int = 3  # per graph; then it keeps its last plan (logged once)
+    background: bool = True  # plan + codegen of a re-plan in a background thread
+    watch_threads: bool = True  # re-plan when torch.get_num_threads() changes
+    history: int = 20000  # graph-call rows kept for stats()
+
+    def __post_init__(self):
+        if self.window < 1 or self.warmup < 0 or self.max_replans < 0 or self.sample_every < 0:
+            raise ValueError(f"AdaptOptions: need window >= 1 and counts >= 0, got {self}")
+        if not self.threshold > 1.0:
+            raise ValueError(f"AdaptOptions.threshold must be > 1.0, got {self.threshold}")
+
+
+class _GraphState:
+    """What the monitor knows about one graph record."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self.replans = 0
+        self.baseline: float | None = None
+        self.true_table = None  # last profile without injected slowdowns
+        self.reason: str | None = None  # set: the next call re-profiles
+        self.busy = False  # a background re-plan is in flight
+        self.pending: tuple | None = None  # (table, plan, program, event) awaiting a swap
+        self.event: str = ""  # shown on the next stats row of this graph
+        self.fake: dict[str, float] = {}  # plan hash -> injected seconds (before baseline)
+        self.timed_spec = None  # (program, StreamSpec with timed stream functions, segs)
+        self.gave_up = False
+        self.hashed: tuple = (None, "")  # (plan, plan.plan_hash): hashing a plan is slow
+
+    def plan_hash(self, plan) -> str:
+        if self.hashed[0] is not plan:
+            self.hashed = (plan, plan.plan_hash if plan is not None else "")
+        return self.hashed[1]
+
+    def reset(self) -> None:
+        self.ratios: deque[float] = deque()
+        self.since_plan = 0
+        self.threads = torch.get_num_threads()
+
+
+class Monitor:
+    """Per-model monitor, shape cache and re-planner (created by ``autopar.pipeline``)."""
+
+    def __init__(self, pipeline, options: AdaptOptions | None, cache_size: int):
+        self.pipeline = pipeline
+        self.options = options
+        self.enabled = options is not None
+        self.cache = PlanCache(cache_size, self._evict)
+        self.rows: deque[tuple] = deque(maxlen=options.history if options else 1)
+        self.step = -1
+        self.key: Any = None
+        self.injected: dict[str, float] = {}
+        self._states: dict[int, _GraphState] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def state(self, record) -> _GraphState:
+        st = self._states.get(id(record))
+        if st is None:
+            st = self._states.setdefault(id(record), _GraphState())
+        return st
+
+    # -- step boundary -----------------------------------------------------------------
+    def begin_step(self, key, describe) -> None:
+        """A forward call starts: count the step, look up the shape cache, swap programs."""
+        self.step += 1
+        self.key = key
+        self.cache.enter(key, describe)
+        if self.enabled:
+            for record in list(self.pipeline.records):
+                st = self._states.get(id(record))
+                if st is not None and st.pending is not None:
+                    self._swap(record, st)
+
+    def _swap(self, record, st: _GraphState) -> None:
+        with record.lock:
+            table, plan, program, event = st.pending
+            st.pending = None
+            if record.runner is None:  # evicted meanwhile: the next call prepares afresh
+                return
+            old = record.plan
+            record.table, record.plan, record.program = table, plan, program
+            fn = program.fn
+            record.runner = lambda a: fn(*a)
+            old_pred = old.predicted_step_time if old is not None else float("nan")
+            if old is not None and abs(plan.predicted_step_time - old_pred) <= 0.1 * old_pred:
+                st.baseline = None  # drift not explained by operator costs: re-baseline
+                event += "; prediction unchanged: baseline reset"
+            st.reset()
+            st.timed_spec = None
+            st.event = event
+        log.info("autopar: %s: %s", record.tag, event)
+
+    # -- every graph call --------------------------------------------------------------
+    def prepared(self, record, table):
+        """Called by ``Pipeline.prepare`` after profiling: remember the true table, apply
+        injected slowdowns, tie the record to the current shape key."""
+        self.cache.add_group(self.key, record.group)
+        if not self.enabled:
+            return table
+        st = self.state(record)
+        st.event = "profiled and planned"
+        st.true_table = table
+        st.reset()
+        return self._scaled(table)
+
+    def compiled(self, record, seconds: float) -> None:
+        """A stats row for the preparing call (profile + plan + codegen, ``seconds``)."""
+        if self.enabled:
+            st = self.state(record)
+            plan = record.plan
+            self.rows.append(
+                (self.step, record.tag, self.cache.describe(self.key), plan.predicted_step_time,
+                 seconds, float("nan"), plan.plan_hash, None, st.event)
+            )  # fmt: skip
+            st.event = ""
+
+    def on_call(self, record, runner, args):
+        """``capture.OnCall``: time the call (re-profile instead when it drifted)."""
+        if self.key is not None:
+            self.cache.add_group(self.key, record.group)
+        if not self.enabled:
+            return runner(args)
+        st = self.state(record)
+        opts = self.options
+        if st.reason is not None and not st.busy and record.plan is not None:
+            return self._reprofile(record, st, args)
+        segs = None
+        if opts.sample_every and record.calls % opts.sample_every == 0:
+            with record.lock:
+                segs, out, dt = self._timed_call(record, st, args)
+        else:
+            t0 = time.perf_counter()
+            out = runner(args)
+            dt = time.perf_counter() - t0
+        self._observe(record, st, dt, segs)
+        return out
+
+    def _timed_call(self, record, st, args):
+        """Run once with every stream function timed (CPU multi-stream programs)."""
+        program = record.program
+        g = getattr(getattr(program, "fn", None), "__globals__", {})
+        spec = g.get("_SPEC")
+        if spec is None:  # serial (or CUDA): the call is the one stream
+            t0 = time.perf_counter()
+            out = record.runner(args)
+            dt = time.perf_counter() - t0
+            return {0: dt}, out, dt
+        if st.timed_spec is None or st.timed_spec[0] is not program:
+            segs: dict[int, float] = {}
+            ids = spec.stream_ids or tuple(range(1 + len(spec.workers)))
+
+            def timed(fn, sid):
+                def run(s):
+                    t = time.perf_counter()
+                    try:
+                        return fn(s)
+                    finally:
+                        segs[sid] = time.perf_counter() - t
+
+                return run
+
+            new = dataclasses.replace(
+                spec,
+                main=timed(spec.main, ids[0]),
+                workers=tuple((timed(f, ids[i + 1]), k) for i, (f, k) in enumerate(spec.workers)),
+            )
+            st.timed_spec = (program, new, segs)
+        _, new, segs = st.timed_spec
+        segs.clear()
+        g["_SPEC"] = new
+        try:
+            t0 = time.perf_counter()
+            out = record.runner(args)
+            dt = time.perf_counter() - t0
+        finally:
+            g["_SPEC"] = spec
+        return dict(segs), out, dt
+
+    def _observe(self, record, st: _GraphState, dt: float, segs) -> None:
+        opts = self.options
+        plan = record.plan
+        pred = plan.predicted_step_time if plan is not None else float("nan")
+        if self.injected and plan is not None:
+            dt += self._fake_extra(record, st, plan) * (st.baseline or 1.0)
+        ratio = dt / pred if pred > 0 else float("nan")
+        event, st.event = st.event, ""
+        self.rows.append(
+            (self.step, record.tag, self.cache.describe(self.key), pred, dt, ratio,
+             st.plan_hash(plan), segs, event)
+        )  # fmt: skip
+        if plan is None or not ratio == ratio or st.reason is not None or st.busy:
+            return
+        st.since_plan += 1
+        if opts.watch_threads and torch.get_num_threads() != st.threads:
+            self._drifted(record, st, f"intra-op threads {st.threads} -> {torch.get_num_threads()}")
+            return
+        if st.since_plan <= opts.warmup:
+            return
+        st.ratios.append(ratio)
+        if len(st.ratios) > opts.window:
+            st.ratios.popleft()
+        if len(st.ratios) < opts.window:
+            return
+        med = statistics.median(st.ratios)
+        if st.baseline is None:
+            st.baseline = med
+            st.ratios.clear()
+            return
+        drift = med / st.baseline
+        if drift > opts.threshold or drift < 1.0 / opts.threshold:
+            self._drifted(
+                record, st, f"measured/predicted {drift:.2f}x the baseline over {opts.window} calls"
+            )
+
+    def _drifted(self, record, st: _GraphState, reason: str) -> None:
+        if st.replans >= self.options.max_replans:
+            if not st.gave_up:
+                st.gave_up = True
+                log.warning(
+                    "autopar: %s drifted (%s) but reached max_replans=%d; keeping plan %s",
+                    record.tag, reason, self.options.max_replans, record.plan.plan_hash,
+                )  # fmt: skip
+            st.ratios.clear()
+            return
+        st.reason = reason
+        log.info("autopar: %s drifted (%s): re-profiling on its next call", record.tag, reason)
+
+    # -- re-profile and re-plan --------------------------------------------------------
+    def _reprofile(self, record, st: _GraphState, args):
+        """Run this call through the profiler (fresh timings), then re-plan."""
+        from autopar.profiling.profiler import profile_graph
+        from autopar.profiling.store import ProfileStore
+
+        opts, pipe = self.options, self.pipeline
+        reason, st.reason = st.reason, None
+        st.replans += 1
+        fresh = ProfileStore.memory()
+        t0 = time.perf_counter()
+        out, table = profile_graph(
+            record.gm, list(args), tag=record.tag, phase=record.phase, store=fresh,
+            warmup=pipe.options.warmup, repeats=pipe.options.repeats,
+        )  # fmt: skip
+        self.rows.append(
+            (self.step, record.tag, self.cache.describe(self.key), float("nan"),
+             time.perf_counter() - t0, float("nan"), record.plan.plan_hash, None,
+             f"re-profiled ({reason})")
+        )  # fmt: skip
+        for sig in fresh:  # the store keeps the latest measurement of each signature
+            pipe.store.put(sig, fresh.get(sig))
+        pipe.store.flush()
+        st.true_table = table
+        scaled = self._scaled(table)
+        moved = _moved_ops(record.table, scaled, opts.threshold)
+        old = record.plan.plan_hash
+        what = f"re-planned ({reason}; ops moved: {', '.join(moved) or 'none'})"
+
+        def work():
+            try:
+                plan, program = pipe.plan_and_generate(record, scaled)
+                ev = f"{what}: plan {old} -> {plan.plan_hash}"
+                st.pending = (scaled, plan, program, ev)
+            except Exception as exc:  # noqa: BLE001 - keep the running plan
+                log.warning("autopar: re-plan of %s failed (%s); keeping %s", record.tag, exc, old)
+            finally:
+                st.busy = False
+
+        st.busy = True
+        if opts.background:
+            t = threading.Thread(target=work, name=f"autopar-replan-{record.tag}", daemon=True)
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
+        else:
+            work()
+        return out
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout)
+
+    def _scaled(self, table):
+        if not self.injected or table is None:
+            return table
+        table = table.copy()
+        for target, factor in self.injected.items():
+            sel = table["target"] == target
+            table.loc[sel, "time_s"] *= factor
+            table.loc[sel, "time_1t_s"] *= factor
+        return table
+
+    def _fake_extra(self, record, st: _GraphState, plan) -> float:
+        """Simulated seconds the injected slowdown adds to ``plan`` (cached per plan)."""
+        h = st.plan_hash(plan)
+        if h not in st.fake:
+            st.fake[h] = 0.0
+            if st.true_table is not None:
+                from autopar.planning.partition import _default_machine
+                from autopar.planning.simulate import simulate
+                from autopar.planning.taskgraph import task_graph_from_profile
+
+                machine = _default_machine(self.pipeline.store)
+                s = []
+                for t in (self._scaled(st.true_table), st.true_table):
+                    g = task_graph_from_profile(t)
+                    r = simulate(g, plan.placement, list(plan.order), list(plan.streams), machine)
+                    s.append(r.makespan)
+                st.fake[h] = max(0.0, s[0] - s[1])
+        return st.fake[h]
+
+    def _evict(self, groups: set[int]) -> list[str]:
+        tags = []
+        for record in self.pipeline.records:
+            if record.group in groups and record.runner is not None:
+                with record.lock:
+                    record.runner = None
+                    record.table = record.plan = record.program = None
+                self._states.pop(id(record), None)
+                tags.append(record.tag)
+        return tags
+
+
+def _moved_ops(old, new, threshold: float) -> list[str]:
+    """Targets whose summed time changed by more than ``threshold`` between two profiles
+    (ignoring targets under 1% of the graph's time: their timings are mostly jitter)."""
+    if old is None or new is None:
+        return []
+    a = old.groupby("target")["time_s"].sum()
+    b = new.groupby("target")["time_s"].sum()
+    floor = 0.01 * max(a.sum(), b.sum())
+    out = []
+    for t in a.index.intersection(b.index):
+        if max(a[t], b[t]) > floor and min(a[t], b[t]) > 0:
+            if max(a[t] / b[t], b[t] / a[t]) > threshold:
+                out.append(f"{t} {b[t] / a[t]:.2f}x")
+    return out
+
+
+def _monitor(cmodel) -> Monitor:
+    pipe = getattr(cmodel, "_autopar_pipeline", None)
+    if pipe is None:
+        raise TypeError(f"expected the result of autopar.compile, got {type(cmodel).__name__}")
+    return pipe.monitor
+
+
+def stats(cmodel, per: str = "step"):
+    """Measured vs predicted time: a pandas DataFrame, one row per step (``per="step"``: a
+    forward call and the backward graphs run after it) or per graph call (``per="graph"``,
+    with sampled per-stream seconds in ``streams_s``).
+
+    Columns (step): step, graphs, shape, predicted_s, measured_s, ratio, plan (plan hashes),
+    event (re-plans, in the row of the first call that ran the new plan).
+
+    Example::
+
+        >>> df = autopar.stats(cmodel)                       # doctest: +SKIP
+        >>> df[["step", "predicted_s", "measured_s", "plan"]].tail(3)   # doctest: +SKIP
+    """
+    import pandas as pd
+
+    rows = pd.DataFrame(list(_monitor(cmodel).rows), columns=GRAPH_COLUMNS)
+    if per == "graph":
+        return rows
+    if per != "step":
+        raise ValueError(f"per must be 'step' or 'graph', got {per!r}")
+    if rows.empty:
+        return pd.DataFrame(columns=STEP_COLUMNS)
+    join = lambda s: ",".join(x for x in s if x)
+    df = rows.groupby("step", sort=True).agg(
+        graphs=("graph", join), shape=("shape", "first"), predicted_s=("predicted_s", "sum"),
+        measured_s=("measured_s", "sum"), plan=("plan", join),
+        event=("event", lambda s: "; ".join(x for x in s if x)),
+    ).reset_index()  # fmt: skip
+    df["ratio"] = df["measured_s"] / df["predicted_s"]
+    return df[STEP_COLUMNS]
+
+
+def inject_slowdown(cmodel, target: str, factor: float) -> None:
+    """Test hook: make operator ``target`` (e.g. ``"aten.mm.default"``) look ``factor`` times
+    slower to the monitor and to re-profiles (see the module docstring). ``factor=1``
+    removes it.
+
+    Example::
+
+        >>> inject_slowdown(cmodel, target="aten.mm.default", factor=20.0)   # doctest: +SKIP
+    """
+    mon = _monitor(cmodel)
+    if factor == 1.0:
+        mon.injected.pop(target, None)
+    else:
+        mon.injected[target] = float(factor)
+    for st in mon._states.values():
+        st.fake.clear()
+
+
+def wait(cmodel, timeout: float | None = 60.0) -> None:
+    """Block until background re-plans finished; they are swapped in at the next step."""
+    _monitor(cmodel).wait(timeout)
+
+
+def measure_peak_memory(fn, *args) -> int:
+    """Peak bytes allocated above the start while ``fn(*args)`` runs.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (exact). CPU: ``torch.profiler`` with
+    ``profile_memory=True``; each operator's net allocation is counted at its start, in time
+    order. Accurate for operators on the calling thread (serial programs); allocations on
+    worker-stream threads are not seen, and an op's temporary workspace freed inside the op
+    nets out (so it can under-estimate).
+
+    Example::
+
+        >>> measure_peak_memory(lambda: torch.ones(1000) * 2) >= 4000
+        True
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(*args)
+        torch.cuda.synchronize()
+        return max(0, torch.cuda.max_memory_allocated() - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    events = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in prof.events()
+        if e.self_cpu_memory_usage
+    )
+    cur = peak = 0
+    for _, m in events:
+        cur += m
+        peak = max(peak, cur)
+    return peak
+
+
+__all__ = [
+    "AdaptOptions", "Monitor", "PlanCache", "inject_slowdown", "measure_peak_memory",
+    "stats", "wait",
+]  # fmt: skip

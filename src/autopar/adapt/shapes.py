@@ -1,0 +1,137 @@
+"""Input signatures and the bounded per-shape plan cache.
+
+A compiled model keeps one set of plans per input signature (shapes, dtypes, train/eval,
+grad mode, autocast dtype, thread count) in an LRU of ``cache_size`` entries; each miss logs
+one line, and more distinct signatures than the cache holds ("dynamic-shape thrash") are
+reported once with advice. Split from ``autopar.adapt.monitor``, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+log = logging.getLogger("autopar")
+
+
+class PlanCache:
+    """Bounded LRU of plans per input signature (shapes, dtypes, train/eval, grad, autocast).
+
+    A key maps to the Dynamo graph groups that ran under it; evicting the least recently
+    used key drops the plans and programs of its groups not used by a resident key (Dynamo
+    keeps its own graph; the next call with that key profiles and plans it again, mostly from
+    the store). Each miss logs one line; the first eviction warns once about shape thrash.
+    """
+
+    def __init__(self, size: int, evict):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"cache_size must be a positive int, got {size!r}")
+        self.size = size
+        self._evict = evict
+        self.entries: OrderedDict[Any, set[int]] = OrderedDict()
+        self.names: dict[Any, str] = {}
+        self.misses = self.evictions = 0
+        self.seen: set = set()
+        self.thrash_reported = False
+
+    def describe(self, key) -> str:
+        return self.names.get(key, "")
+
+    def enter(self, key, describe) -> bool:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return True
+        self.misses += 1
+        again = key in self.seen
+        self.seen.add(key)
+        self.names[key] = describe()
+        self.entries[key] = set()
+        log.info(
+            "autopar: plan cache miss %d: new input signature %s%s (%d/%d cached)",
+            self.misses, self.names[key], " (seen before, evicted)" if again else "",
+            len(self.entries), self.size,
+        )  # fmt: skip
+        while len(self.entries) > self.size:
+            old, groups = self.entries.popitem(last=False)
+            keep = set().union(*self.entries.values()) if self.entries else set()
+            tags = self._evict(groups - keep)
+            self.evictions += 1
+            log.info("autopar: plan cache full: evicted %s (%s)", self.names[old], tags)
+            if not self.thrash_reported:
+                self.thrash_reported = True
+                msg = (
+                    f"autopar: dynamic-shape thrash: {len(self.seen)} distinct input signatures "
+                    f"but cache_size={self.size}; every new one is profiled and planned again. "
+                    "Pad or bucket shapes (e.g. sequence length to a multiple of 64, a fixed "
+                    f"batch size with drop_last=True), or raise cache_size (Dynamo's "
+                    f"recompile limit is {_dynamo_limit()})."
+                )
+                log.warning(msg)
+        return False
+
+    def add_group(self, key, group: int) -> None:
+        groups = self.entries.get(key)
+        if groups is not None:
+            groups.add(group)
+
+
+def _dynamo_limit() -> int:
+    cfg = torch._dynamo.config
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
+_limit_lock = threading.Lock()
+_limit_total = [0]  # sum of cache_size over every module autopar compiled in this process
+
+
+def align_dynamo_limit(cache_size: int) -> None:
+    """Dynamo stops compiling a code object after ``recompile_limit`` graphs (then runs it
+    eagerly), counting the graphs of *every* instance of a class against one limit. Raise
+    the process-wide limit to the sum of ``cache_size`` over the modules compiled so far
+    (never lowered), so every cached signature of every compiled module gets its graph."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    with _limit_lock:
+        _limit_total[0] += cache_size
+        want = _limit_total[0]
+        if getattr(cfg, name) < want:
+            log.debug("autopar: raising torch._dynamo.config.%s to %d", name, want)
+            setattr(cfg, name, want)
+            acc = getattr(cfg, "accumulated_recompile_limit", None)
+            if acc is not None and acc < want:
+                cfg.accumulated_recompile_limit = want
+
+
+def input_key(model: torch.nn.Module, args, kwargs) -> tuple:
+    """The plan-cache key of one call: what Dynamo specialises a static graph on."""
+    parts: list = [
+        model.training,
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu") and str(torch.get_autocast_dtype("cpu")),
+        torch.get_num_threads(),  # Dynamo guards on it too: a new count is a new graph
+    ]
+    for v in list(args) + [v for _, v in sorted(kwargs.items())]:
+        if isinstance(v, torch.Tensor):
+            parts.append((tuple(v.shape), str(v.dtype).replace("torch.", ""), v.device.type))
+        elif isinstance(v, (int, float, bool, str, type(None))):
+            parts.append(v)
+        else:
+            parts.append(type(v).__name__)
+    return tuple(parts)
+
+
+def describe_key(key: tuple) -> str:
+    training, grad, amp, threads, *ins = key
+    shapes = ", ".join(
+        f"{list(x[0])} {x[1]}" if isinstance(x, tuple) and len(x) == 3 else repr(x) for x in ins
+    )
+    mode = ("train" if training else "eval") + ("" if grad else ", no_grad")
+    mode += f", {threads} thread{'s' if threads != 1 else ''}"
+    return f"({shapes}; {mode}{', autocast ' + amp if amp else ''})"
+
+
+# -- public helpers -------------------------------------------------------------------------

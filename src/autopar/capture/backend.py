@@ -1,0 +1,204 @@
+"""Capture: the ``torch.compile`` backend that yields forward and backward aten FX graphs.
+
+Dynamo turns the user's Python into FX graphs (one per region between graph breaks);
+AOTAutograd traces each into a functionalized aten *forward* graph and *backward* graph.
+This module records them as ``GraphRecord`` objects tagged ``g<k>.fw`` / ``g<k>.bw`` and
+hands each one, lazily on its first real call, to a ``prepare`` callback (profile, plan,
+codegen: composed by ``autopar.api``). Capture never imports the later stages.
+
+Example::
+
+    >>> import torch
+    >>> cap = Capture(prepare=run_serially)
+    >>> f = torch.compile(torch.nn.Linear(4, 2), backend=cap.backend)
+    >>> _ = f(torch.randn(3, 4)).sum().backward()
+    >>> [r.tag for r in cap.records]
+    ['g0.fw', 'g0.bw']
+
+Failure policy: if capturing or preparing a graph fails, that graph runs eagerly (the
+Dynamo graph, or the unmodified aten graph) after one ``FallbackWarning`` naming the node and
+the user's source line. Results are never silently wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import FallbackWarning, warn_fallback
+
+_log = logging.getLogger(__name__)
+
+# The callback that turns a recorded graph into a runner, on the graph's first real call.
+# It gets the record and the real (boxed) argument list, runs the graph once for real and
+# returns (outputs, runner) where ``runner(args_list)`` runs it from then on.
+Prepare = Callable[["GraphRecord", list], tuple[Any, Callable[[list], Any]]]
+# Optional hook around every later call: ``on_call(record, runner, args) -> outputs``
+# (``autopar.adapt.monitor`` times calls there, re-profiles and swaps programs).
+OnCall = Callable[["GraphRecord", Callable[[list], Any], list], Any]
+
+
+@dataclass
+class GraphRecord:
+    """One captured aten graph and what the later stages made of it."""
+
+    tag: str  # "g0.fw", "g0.bw", ...
+    phase: str  # "forward" | "backward"
+    gm: fx.GraphModule
+    capture_s: float = 0.0  # time spent tracing up to this graph (AOTAutograd included)
+    table: Any = None  # profile DataFrame
+    plan: Any = None  # autopar.planning.plan.Plan
+    program: Any = None  # autopar.codegen.python.Program
+    fallback: str | None = None  # why this graph runs as captured, if it does
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    group: int = 0  # k of the Dynamo graph it came from (g<k>.fw and g<k>.bw share it)
+    # What runs the graph from its second call on (None: the next call prepares it).
+    # ``lock`` guards swapping it: a swap happens between calls, never during one.
+    runner: Callable[[list], Any] | None = field(default=None, repr=False)
+    lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    calls: int = 0  # real calls so far (the preparing call included)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.gm.graph.nodes)
+
+
+def run_serially(record: GraphRecord, args: list) -> tuple[Any, Callable[[list], Any]]:
+    """The trivial ``prepare``: run the captured aten graph as it is."""
+    fn = record.gm.forward
+    return fn(*args), lambda a: fn(*a)
+
+
+class LazyGraph:
+    """Boxed callable AOTAutograd calls; prepares its graph on the first real call.
+
+    Later calls run ``record.runner`` (through ``on_call`` when one is given). Setting
+    ``record.runner = None`` (e.g. a plan evicted from the shape cache) makes the next call
+    prepare the graph again."""
+
+    def __init__(self, record: GraphRecord, prepare: Prepare, on_call: OnCall | None = None):
+        # AOTAutograd passes one list of arguments. An instance attribute, because Dynamo
+        # wraps the backward with functools.wraps, which copies __dict__ but not the class.
+        self._boxed_call = True
+        self.record = record
+        self._prepare = prepare
+        self._on_call = on_call
+
+    def __call__(self, args: list) -> Any:
+        record = self.record
+        runner = record.runner
+        if runner is None:
+            return self._first_call(args)
+        record.calls += 1
+        if self._on_call is None:
+            return runner(args)
+        return self._on_call(record, runner, args)
+
+    def _first_call(self, args: list) -> Any:
+        record = self.record
+        with record.lock:  # two threads calling a fresh model: prepare once
+            if record.runner is not None:
+                record.calls += 1
+                return record.runner(args)
+            args = list(args)
+            try:
+                out, runner = self._prepare(record, args)
+            except Exception as exc:  # noqa: BLE001 - any failure falls back, never wrong results
+                record.fallback = f"{type(exc).__name__}: {exc}"
+                node = getattr(exc, "node", None)
+                warn_fallback(
+                    f"could not plan graph {record.tag} ({type(exc).__name__}: {exc})",
+                    node,
+                    "Set AUTOPAR_DEBUG_DIR to keep the graph for a bug report.",
+                )
+                fn = record.gm.forward
+                out, runner = fn(*args), (lambda a: fn(*a))
+            record.runner = runner
+            record.calls += 1
+            return out
+
+
+class Capture:
+    """Records the graphs of one compiled model; ``backend`` is given to ``torch.compile``."""
+
+    def __init__(self, prepare: Prepare = run_serially, on_call: OnCall | None = None):
+        self.prepare = prepare
+        self.on_call = on_call
+        self.records: list[GraphRecord] = []
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def graphs(self, phase: str | None = None) -> list[GraphRecord]:
+        return [r for r in self.records if phase is None or r.phase == phase]
+
+    def _compiler(self, tag: str, phase: str, t0: float, group: int):
+        def compile_graph(gm: fx.GraphModule, example_inputs):
+            for node in gm.graph.nodes:
+                node.meta["autopar.key"] = f"{tag}/{node.name}"
+                node.meta["autopar.phase"] = phase
+            record = GraphRecord(tag, phase, gm, capture_s=time.perf_counter() - t0, group=group)
+            with self._lock:
+                self.records.append(record)
+            return LazyGraph(record, self.prepare, self.on_call)
+
+        return compile_graph
+
+    def backend(self, gm: fx.GraphModule, example_inputs):
+        """The ``torch.compile`` backend: AOTAutograd with autopar's graph compilers."""
+        from torch._dynamo.backends.common import aot_autograd
+
+        k = next(self._counter)
+        t0 = time.perf_counter()
+        _fuse_rnn_loops(gm, k)
+        try:
+            compiler = aot_autograd(
+                fw_compiler=self._compiler(f"g{k}.fw", "forward", t0, k),
+                bw_compiler=self._compiler(f"g{k}.bw", "backward", t0, k),
+                inference_compiler=self._compiler(f"g{k}.inf", "forward", t0, k),
+            )
+            return compiler(gm, example_inputs)
+        except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
+            node = _first_call_node(gm)
+            warn_fallback(
+                f"AOTAutograd could not trace Dynamo graph {k} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})",
+                node,
+                "Report the op, or run this part outside the compiled model.",
+            )
+            return gm.forward
+
+
+def _fuse_rnn_loops(gm: fx.GraphModule, k: int) -> None:
+    """Fuse nn.LSTMCell / nn.GRUCell time loops into layer ops (``autopar.rnn.fuse``) before
+    AOTAutograd. Best effort: on any failure the graph stays exactly as Dynamo gave it."""
+    try:
+        from autopar.rnn.fuse import fuse_cell_loops
+
+        n = fuse_cell_loops(gm)
+        if n:
+            _log.debug("Dynamo graph %d: fused %d LSTMCell/GRUCell loop(s)", k, n)
+    except Exception:  # noqa: BLE001 - an optimization only: never break capture
+        _log.debug(
+            "Dynamo graph %d: RNN cell loop fusion failed; graph unchanged", k, exc_info=True
+        )
+
+
+def _first_call_node(gm: fx.GraphModule) -> fx.Node | None:
+    return next((n for n in gm.graph.nodes if n.op in ("call_function", "call_module")), None)
+
+
+__all__ = ["Capture", "FallbackWarning", "GraphRecord", "LazyGraph", "OnCall", "run_serially"]
+
+
+def dynamo_compile(module: torch.nn.Module, capture: Capture):
+    """``torch.compile`` the module with ``capture.backend``, static shapes (a new shape
+    gets its own graphs), errors raised rather than hidden so ``api`` can fall back."""
+    return torch.compile(module, backend=capture.backend, dynamic=False, fullgraph=False)

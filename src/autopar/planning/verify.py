@@ -1,0 +1,180 @@
+"""The plan verifier: a plan that passes runs correctly and cannot deadlock.
+
+``verify_plan`` checks, and raises ``PlanError`` naming the first problem and its fix:
+
+1. streams have unique ids; every node is placed exactly once, on a declared stream;
+   with ``graph`` given, the placed nodes are exactly the graph's nodes;
+2. ``order`` lists every placed node exactly once;
+3. every sync joins two different streams and names its nodes' streams correctly;
+4. no deadlock: data edges and syncs go forward in ``order`` (each stream runs its nodes
+   in ``order``, so the union of stream order, syncs and data edges is then acyclic);
+   when one goes backward, the cycle (if any) is reported;
+5. every cross-stream data dependency ``u -> v`` is covered: on one device, by a chain
+   of syncs and stream order (checked with vector clocks: ``v``'s stream must know that
+   ``u``'s stream got at least as far as ``u``); across devices, by its own sync (the
+   sync is also the copy);
+6. the predicted peak memory is within the budget.
+
+Example::
+
+    >>> from autopar.planning.plan import Plan, Stream
+    >>> p = Plan("g", "serial", (Stream(0),), (("a", 0), ("b", 0)), ("a", "b"), (),
+    ...          edges=(("a", "b", 8),))
+    >>> verify_plan(p)       # passes silently
+    >>> verify_plan(p.replace(order=("b", "a")))
+    Traceback (most recent call last):
+    ...
+    autopar.errors.PlanError: plan 'g' deadlocks: cycle a -> b -> a ...
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import networkx as nx
+
+from autopar.errors import PlanError
+from autopar.planning.plan import Plan
+
+
+def _fail(plan: Plan, what: str, fix: str) -> None:
+    raise PlanError(f"plan {plan.graph_id!r} {what}; {fix}")
+
+
+def _edges(plan: Plan, graph: nx.DiGraph | None) -> list[tuple[str, str]]:
+    if graph is None:
+        return [(u, v) for u, v, _ in plan.edges]
+    return list(graph.edges())
+
+
+def verify_plan(plan: Plan, graph: nx.DiGraph | None = None, memory_budget: int | None = None):
+    """Raise ``PlanError`` if ``plan`` is not runnable (see the module docstring).
+
+    ``graph`` is the task graph the plan was made for (its nodes and edges are then the
+    reference); without it the plan's own ``edges`` are used. ``memory_budget`` overrides
+    ``plan.memory_budget``.
+    """
+    # 1. streams and placements
+    sid_counts = Counter(s.id for s in plan.streams)
+    dup_sids = [s for s, c in sid_counts.items() if c > 1]
+    if dup_sids:
+        _fail(plan, f"declares stream id(s) {dup_sids} more than once", "give each stream its id")
+    names = Counter(n for n, _ in plan.placements)
+    dups = [n for n, c in names.items() if c > 1]
+    if dups:
+        _fail(plan, f"places node(s) {dups[:5]} more than once", "place every node exactly once")
+    place = plan.placement
+    bad = [(n, s) for n, s in place.items() if s not in sid_counts]
+    if bad:
+        _fail(plan, f"places {bad[:3]} on undeclared stream(s)", "declare every stream used")
+    if graph is not None:
+        missing = [n for n in graph if n not in place]
+        if missing:
+            _fail(plan, f"does not place node(s) {missing[:5]}", "place every node of the graph")
+        extra = [n for n in place if n not in graph]
+        if extra:
+            _fail(plan, f"places node(s) {extra[:5]} absent from the graph", "re-plan this graph")
+    # 2. order
+    order_counts = Counter(plan.order)
+    twice = [n for n, c in order_counts.items() if c > 1]
+    if twice:
+        _fail(plan, f"lists node(s) {twice[:5]} more than once in order", "list each node once")
+    unordered = [n for n in place if n not in order_counts]
+    if unordered:
+        _fail(plan, f"leaves placed node(s) {unordered[:5]} out of order", "order every node")
+    unplaced = [n for n in order_counts if n not in place]
+    if unplaced:
+        _fail(plan, f"orders node(s) {unplaced[:5]} that are not placed", "place them")
+    # 3. syncs
+    for s in plan.syncs:
+        for n in (s.src, s.dst):
+            if n not in place:
+                _fail(plan, f"has a sync {s.src} -> {s.dst} naming unplaced node {n!r}", "fix it")
+        if place[s.src] != s.src_stream or place[s.dst] != s.dst_stream:
+            _fail(
+                plan,
+                f"has a sync {s.src} -> {s.dst} on streams {s.src_stream} -> {s.dst_stream} "
+                f"but the nodes run on {place[s.src]} -> {place[s.dst]}",
+                "re-derive the syncs from the placement",
+            )
+        if s.src_stream == s.dst_stream:
+            _fail(plan, f"has a sync {s.src} -> {s.dst} within stream {s.src_stream}", "drop it")
+    # 4. deadlock freedom
+    edges = _edges(plan, graph)
+    pos = {n: i for i, n in enumerate(plan.order)}
+    backward = [(u, v) for u, v in edges if pos[u] >= pos[v]]
+    backward += [(s.src, s.dst) for s in plan.syncs if pos[s.src] >= pos[s.dst]]
+    if backward:
+        g = nx.DiGraph(edges)
+        g.add_edges_from((s.src, s.dst) for s in plan.syncs)
+        for nodes in plan.stream_nodes().values():
+            g.add_edges_from(zip(nodes, nodes[1:], strict=False))
+        try:
+            cycle = nx.find_cycle(g)
+        except nx.NetworkXNoCycle:
+            u, v = backward[0]
+            _fail(plan, f"order is not topological: {u} runs after its consumer {v}", "sort it")
+        path = " -> ".join([cycle[0][0]] + [e[1] for e in cycle])
+        _fail(
+            plan,
+            f"deadlocks: cycle {path} (data/sync edges and stream order)",
+            "order nodes topologically and sync only forward in that order",
+        )
+    # 5. every cross-stream dependency is synchronised
+    _check_coverage(plan, edges, place)
+    # 6. memory
+    budget = memory_budget if memory_budget is not None else plan.memory_budget
+    if budget is not None and plan.predicted_peak_memory > budget:
+        _fail(
+            plan,
+            f"needs {plan.predicted_peak_memory} bytes at peak, over the budget of {budget} bytes",
+            "raise memory_budget or plan with less concurrency (policy='serial')",
+        )
+
+
+def _check_coverage(plan: Plan, edges, place: dict[str, int]) -> None:
+    """Vector clocks: ``clock[n][s]`` is how far (index within stream ``s``) stream ``s``
+    is known to have got when ``n`` starts, through stream order and syncs."""
+    device = {s.id: s.device for s in plan.streams}
+    sids = sorted(device)
+    col = {s: i for i, s in enumerate(sids)}
+    seq: dict[str, int] = {}
+    counters = dict.fromkeys(sids, 0)
+    for n in plan.order:
+        seq[n] = counters[place[n]]
+        counters[place[n]] += 1
+    syncs_into = defaultdict(list)
+    direct = set()
+    for s in plan.syncs:
+        syncs_into[s.dst].append(s.src)
+        direct.add((s.src, s.dst))
+    preds = defaultdict(list)
+    for u, v in edges:
+        if place[u] != place[v]:
+            preds[v].append(u)
+    known = {s: [-1] * len(sids) for s in sids}
+    clock: dict[str, list[int]] = {}
+    for v in plan.order:
+        sv = place[v]
+        c = list(known[sv])
+        for u in syncs_into.get(v, ()):
+            c = [max(a, b) for a, b in zip(c, clock[u], strict=True)]
+        c[col[sv]] = seq[v]
+        clock[v] = c
+        known[sv] = c
+        for u in preds.get(v, ()):
+            su = place[u]
+            if device[su] != device[sv] and (u, v) not in direct:
+                _fail(
+                    plan,
+                    f"copies {u} (stream {su}, {device[su]}) to {v} (stream {sv}, "
+                    f"{device[sv]}) without a sync",
+                    "add a Sync for every cross-device edge",
+                )
+            if c[col[su]] < seq[u]:
+                _fail(
+                    plan,
+                    f"misses a sync: {v} (stream {sv}) reads {u} (stream {su}) and nothing "
+                    "makes it wait for it",
+                    f"add Sync({u!r}, {v!r}, {su}, {sv})",
+                )

@@ -1,0 +1,577 @@
+"""Recurrent layers in a form autopar can capture, plan and run fast.
+
+Capturing a Python loop of ``nn.LSTMCell`` with Dynamo + AOTAutograd yields ~80 forward and
+~210 backward aten nodes per cell step (every sigmoid, chunk and mul, and their grads), and
+AOTAutograd spends ~1 ms per node. Here each cell's *pointwise* part is ONE custom op
+(``autopar::lstm_cell`` / ``autopar::gru_cell``) whose backward is ONE more custom op
+(``autopar::lstm_cell_backward`` / ``autopar::gru_cell_backward``), while the GEMMs stay
+ordinary aten ops (``F.linear``), so the planner still sees them and can hoist input
+projections and run a layer x time wavefront.
+
+:func:`rewrite_rnns` routes ``nn.LSTMCell``, ``nn.GRUCell``, ``nn.LSTM`` and ``nn.GRU``
+submodules through such an implementation while active, using the very same Parameters.
+Whole ``nn.LSTM`` layers may instead run fused (:func:`fused_lstm_layer`: one oneDNN
+``aten.mkldnn_rnn_layer`` per layer, direction and optional time chunk); the per-module
+choice between the forms is measured, see :mod:`autopar.rnn.layers`.
+
+CPU body of the pointwise ops: plain torch ops written to allocate little (in-place
+activations on views of one gates buffer). ATen has no CPU fused-cell helper
+(``_thnn_fused_lstm_cell`` is CUDA-only). An Inductor-compiled body measured 1.5-2x faster
+for forward+backward at [16, 4*256] (one C++ loop vs ~25 small ops), but it needs a C++
+compiler and a compile per dtype/shape class at first use, so it is not the default (see
+``benchmarks/rnn_cells.py``). On CUDA the ops dispatch to the Triton kernels in
+:mod:`autopar.runtime.kernels.triton_cells`. In eager mode (not under Dynamo) the rewritten modules
+call the same bodies through a plain ``autograd.Function``, which costs about half of a
+custom op's dispatch per call.
+
+Saved tensors: the forward ops save only their inputs (``igates``, ``hgates``, ``c``/``h``)
+and the backward ops recompute the activations: that saves no more than the unfused
+version's gate buffer and keeps the op schemas exactly ``(h, c_new)`` / ``h_new``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autopar.errors import CaptureError
+
+__all__ = [
+    "lstm_cell",
+    "gru_cell",
+    "fused_lstm_layer",
+    "unrolled_lstm_layer",
+    "mkldnn_lstm_usable",
+    "rewrite_rnns",
+    "RNN_MODULE_TYPES",
+    "RNN_FORMS",
+]
+
+#: Forms of nn.LSTM / nn.GRU :func:`rewrite_rnns` can run (see :mod:`autopar.rnn.layers`).
+RNN_FORMS = ("unrolled", "fused", "chunked")
+
+#: Module types :func:`rewrite_rnns` rewrites (exact types and their subclasses).
+RNN_MODULE_TYPES = (nn.LSTMCell, nn.GRUCell, nn.LSTM, nn.GRU)
+
+
+# --------------------------------------------------------------------------- shape checks
+
+
+def _check_gates(name: str, igates: Tensor, hgates: Tensor, state: Tensor, n: int) -> int:
+    """Validate the pointwise ops' inputs; returns the hidden size H (gates are ``n*H`` wide)."""
+    if igates.shape != hgates.shape:
+        raise ValueError(
+            f"autopar::{name}: igates {tuple(igates.shape)} and hgates {tuple(hgates.shape)} "
+            "must have the same shape (both are [..., "
+            f"{n}*hidden]: F.linear(x, W_ih, b_ih) and F.linear(h, W_hh, b_hh))."
+        )
+    hidden = state.shape[-1] if state.dim() else 0
+    if igates.dim() == 0 or igates.shape[-1] != n * hidden or igates.shape[:-1] != state.shape[:-1]:
+        raise ValueError(
+            f"autopar::{name}: gates {tuple(igates.shape)} do not fit state "
+            f"{tuple(state.shape)}; expected gates of shape [..., {n}*H] and state [..., H] "
+            "with the same leading dimensions."
+        )
+    if not (igates.dtype == hgates.dtype == state.dtype):
+        raise ValueError(
+            f"autopar::{name}: dtypes differ (igates {igates.dtype}, hgates {hgates.dtype}, "
+            f"state {state.dtype}); convert them to one dtype."
+        )
+    return hidden
+
+
+def _on_cuda(*tensors: Tensor) -> bool:
+    return any(t.is_cuda for t in tensors)
+
+
+# --------------------------------------------------------------------------- LSTM cell op
+
+
+def _lstm_cell_impl(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Pointwise part of ``nn.LSTMCell``: returns ``(h, c_new)``.
+
+    ``igates + hgates`` are the pre-activation gates laid out like PyTorch's, chunks
+    ``(i, f, g, o)`` of the last dimension ``4*H``; ``c`` is the previous cell state.
+
+    Example::
+
+        ig = F.linear(x, cell.weight_ih, cell.bias_ih)
+        hg = F.linear(h, cell.weight_hh, cell.bias_hh)
+        h, c = torch.ops.autopar.lstm_cell(ig, hg, c)   # == cell(x, (h, c))
+    """
+    hidden = _check_gates("lstm_cell", igates, hgates, c, 4)
+    if _on_cuda(igates, hgates, c):
+        from autopar.runtime.kernels.triton_cells import lstm_cell_forward
+
+        return lstm_cell_forward(igates, hgates, c)
+    gates = torch.add(igates, hgates)
+    # i and f are adjacent, so one in-place sigmoid covers both.
+    i_f = gates[..., : 2 * hidden].sigmoid_()
+    g = gates[..., 2 * hidden : 3 * hidden].tanh_()
+    o = gates[..., 3 * hidden :].sigmoid_()
+    i, f = i_f[..., :hidden], i_f[..., hidden:]
+    c_new = torch.empty(c.shape, dtype=c.dtype, device=c.device)
+    torch.mul(f, c, out=c_new)
+    c_new.addcmul_(i, g)
+    h = torch.tanh(c_new).mul_(o)
+    return h, c_new
+
+
+lstm_cell = torch.library.custom_op("autopar::lstm_cell", _lstm_cell_impl, mutates_args=())
+
+
+@lstm_cell.register_fake
+def _(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    _check_gates("lstm_cell", igates, hgates, c, 4)
+    return c.new_empty(c.shape), c.new_empty(c.shape)
+
+
+def _lstm_cell_backward_impl(
+    grad_h: Tensor, grad_c: Tensor, igates: Tensor, hgates: Tensor, c: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Backward of :func:`lstm_cell`: returns ``(grad_gates, grad_c_prev)``.
+
+    ``grad_gates`` is the gradient of both ``igates`` and ``hgates`` (they are summed).
+    The activations are recomputed from the saved inputs.
+
+    Example::
+
+        gg, gc = torch.ops.autopar.lstm_cell_backward(gh, gc_new, ig, hg, c)
+    """
+    hidden = _check_gates("lstm_cell_backward", igates, hgates, c, 4)
+    if _on_cuda(grad_h, grad_c, igates, hgates, c):
+        from autopar.runtime.kernels.triton_cells import lstm_cell_backward as triton_bwd
+
+        return triton_bwd(grad_h, grad_c, igates, hgates, c)
+    # Op count matters more than flops at RNN sizes (~3 us per op): in-place ops on views of
+    # one buffer, and no `1 - x` (rsub with a Scalar is ~10x slower than `x.neg_().add_(1)`).
+    act = torch.add(igates, hgates)
+    act[..., : 2 * hidden].sigmoid_()
+    act[..., 2 * hidden : 3 * hidden].tanh_()
+    act[..., 3 * hidden :].sigmoid_()
+    i, f, g, o = act.split(hidden, dim=-1)
+    tanh_c = torch.mul(f, c).addcmul_(i, g).tanh_()
+    # dL/dc_new in total: directly, and through h = o * tanh(c_new).
+    dc = torch.mul(tanh_c, tanh_c).neg_().add_(1).mul_(o)
+    # Outputs are allocated contiguous explicitly, matching the fake impls' strides even
+    # when incoming grads are not contiguous.
+    dc = torch.addcmul(grad_c, grad_h, dc, out=torch.empty(c.shape, dtype=c.dtype, device=c.device))
+    # Gradients w.r.t. the activated gates, written into one [..., 4H] buffer ...
+    grad = torch.empty(act.shape, dtype=act.dtype, device=act.device)
+    gi, gf, gg, go = grad.split(hidden, dim=-1)
+    torch.mul(dc, g, out=gi)
+    torch.mul(dc, c, out=gf)
+    torch.mul(dc, i, out=gg)
+    torch.mul(grad_h, tanh_c, out=go)
+    # ... then through the activations: sigmoid' = s - s^2, tanh' = 1 - t^2.
+    deriv = torch.addcmul(act, act, act, value=-1)
+    torch.mul(g, g, out=deriv[..., 2 * hidden : 3 * hidden]).neg_().add_(1)
+    grad.mul_(deriv)
+    return grad, dc.mul_(f)
+
+
+lstm_cell_backward = torch.library.custom_op(
+    "autopar::lstm_cell_backward", _lstm_cell_backward_impl, mutates_args=()
+)
+
+
+@lstm_cell_backward.register_fake
+def _(grad_h, grad_c, igates, hgates, c):
+    _check_gates("lstm_cell_backward", igates, hgates, c, 4)
+    return igates.new_empty(igates.shape), c.new_empty(c.shape)
+
+
+def _lstm_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _lstm_backward(ctx, grad_h: Tensor, grad_c: Tensor):
+    igates, hgates, c = ctx.saved_tensors
+    grad_gates, grad_c_prev = torch.ops.autopar.lstm_cell_backward(
+        grad_h, grad_c, igates, hgates, c
+    )
+    need = ctx.needs_input_grad
+    return (
+        grad_gates if need[0] else None,
+        grad_gates if need[1] else None,
+        grad_c_prev if need[2] else None,
+    )
+
+
+lstm_cell.register_autograd(_lstm_backward, setup_context=_lstm_setup_context)
+
+
+# --------------------------------------------------------------------------- GRU cell op
+
+
+def _gru_cell_impl(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
+    """Pointwise part of ``nn.GRUCell``: returns ``h_new``.
+
+    Gate chunks are ``(r, z, n)`` of the last dimension ``3*H``. ``hgates`` includes
+    ``b_hh``, so ``b_hn`` is scaled by ``r`` exactly as in PyTorch:
+    ``n = tanh(i_n + r * (W_hn h + b_hn))``, ``h_new = (1 - z) * n + z * h``.
+
+    Example::
+
+        ig = F.linear(x, cell.weight_ih, cell.bias_ih)
+        hg = F.linear(h, cell.weight_hh, cell.bias_hh)
+        h = torch.ops.autopar.gru_cell(ig, hg, h)   # == cell(x, h)
+    """
+    hidden = _check_gates("gru_cell", igates, hgates, h, 3)
+    if _on_cuda(igates, hgates, h):
+        from autopar.runtime.kernels.triton_cells import gru_cell_forward
+
+        return gru_cell_forward(igates, hgates, h)
+    rz = torch.add(igates[..., : 2 * hidden], hgates[..., : 2 * hidden]).sigmoid_()
+    r, z = rz[..., :hidden], rz[..., hidden:]
+    n = torch.addcmul(igates[..., 2 * hidden :], r, hgates[..., 2 * hidden :]).tanh_()
+    # Same association as ATen's gru_cell: n + z * (h - n).
+    h_new = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    torch.sub(h, n, out=h_new)
+    return h_new.mul_(z).add_(n)
+
+
+gru_cell = torch.library.custom_op("autopar::gru_cell", _gru_cell_impl, mutates_args=())
+
+
+@gru_cell.register_fake
+def _(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
+    _check_gates("gru_cell", igates, hgates, h, 3)
+    return h.new_empty(h.shape)
+
+
+def _gru_cell_backward_impl(
+    grad_h_new: Tensor, igates: Tensor, hgates: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`gru_cell`: returns ``(grad_igates, grad_hgates, grad_h)``.
+
+    Example::
+
+        gi, gh, gprev = torch.ops.autopar.gru_cell_backward(g, ig, hg, h)
+    """
+    hidden = _check_gates("gru_cell_backward", igates, hgates, h, 3)
+    if _on_cuda(grad_h_new, igates, hgates, h):
+        from autopar.runtime.kernels.triton_cells import gru_cell_backward as triton_bwd
+
+        return triton_bwd(grad_h_new, igates, hgates, h)
+    rz = torch.add(igates[..., : 2 * hidden], hgates[..., : 2 * hidden]).sigmoid_()
+    r, z = rz[..., :hidden], rz[..., hidden:]
+    h_n = hgates[..., 2 * hidden :]
+    n = torch.addcmul(igates[..., 2 * hidden :], r, h_n).tanh_()
+    # sigmoid' = s - s^2 for r and z at once (no `1 - x`: see lstm_cell_backward).
+    drz = torch.addcmul(rz, rz, rz, value=-1)
+    grad_i = torch.empty(igates.shape, dtype=h.dtype, device=h.device)
+    g_r, g_z, g_n = grad_i.split(hidden, dim=-1)
+    # n' = dL/d(pre-tanh n) = g * (1 - z) * (1 - n^2)
+    one_minus_z = z.neg().add_(1)
+    torch.mul(n, n, out=g_n).neg_().add_(1).mul_(grad_h_new).mul_(one_minus_z)
+    # z' = g * (h - n) * z(1 - z)
+    torch.sub(h, n, out=g_z).mul_(grad_h_new).mul_(drz[..., hidden:])
+    # r' = n' * h_n * r(1 - r)
+    torch.mul(g_n, h_n, out=g_r).mul_(drz[..., :hidden])
+    grad_hg = grad_i.clone()
+    grad_hg[..., 2 * hidden :].mul_(r)
+    grad_h = torch.mul(grad_h_new, z, out=torch.empty(h.shape, dtype=h.dtype, device=h.device))
+    return grad_i, grad_hg, grad_h
+
+
+gru_cell_backward = torch.library.custom_op(
+    "autopar::gru_cell_backward", _gru_cell_backward_impl, mutates_args=()
+)
+
+
+@gru_cell_backward.register_fake
+def _(grad_h_new, igates, hgates, h):
+    _check_gates("gru_cell_backward", igates, hgates, h, 3)
+    return igates.new_empty(igates.shape), igates.new_empty(igates.shape), h.new_empty(h.shape)
+
+
+def _gru_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _gru_backward(ctx, grad_h_new: Tensor):
+    igates, hgates, h = ctx.saved_tensors
+    grad_i, grad_hg, grad_h = torch.ops.autopar.gru_cell_backward(grad_h_new, igates, hgates, h)
+    need = ctx.needs_input_grad
+    return (
+        grad_i if need[0] else None,
+        grad_hg if need[1] else None,
+        grad_h if need[2] else None,
+    )
+
+
+gru_cell.register_autograd(_gru_backward, setup_context=_gru_setup_context)
+
+
+# --------------------------------------------------------------------------- eager fast path
+
+
+class _LSTMCellEager(torch.autograd.Function):
+    """Same bodies as the custom ops, without the custom-op dispatch (eager only)."""
+
+    @staticmethod
+    def forward(ctx, igates, hgates, c):
+        ctx.save_for_backward(igates, hgates, c)
+        return _lstm_cell_impl(igates, hgates, c)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_c):
+        grad_gates, grad_c_prev = _lstm_cell_backward_impl(grad_h, grad_c, *ctx.saved_tensors)
+        return grad_gates, grad_gates, grad_c_prev
+
+
+class _GRUCellEager(torch.autograd.Function):
+    """Same bodies as the custom ops, without the custom-op dispatch (eager only)."""
+
+    @staticmethod
+    def forward(ctx, igates, hgates, h):
+        ctx.save_for_backward(igates, hgates, h)
+        return _gru_cell_impl(igates, hgates, h)
+
+    @staticmethod
+    def backward(ctx, grad_h_new):
+        return _gru_cell_backward_impl(grad_h_new, *ctx.saved_tensors)
+
+
+# In eager mode a custom op with autograd costs ~2x a plain autograd.Function per call
+# (dispatcher round trips, schema/pytree handling; see benchmarks/rnn_cells.py), which
+# adds up over layers x timesteps. While Dynamo traces (is_compiling() is constant-folded
+# to True) the custom ops are used, so captured graphs hold exactly one node per cell.
+def _lstm_pointwise(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    if torch.compiler.is_compiling():
+        return torch.ops.autopar.lstm_cell(igates, hgates, c)
+    return _LSTMCellEager.apply(igates, hgates, c)
+
+
+def _gru_pointwise(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.autopar.gru_cell(igates, hgates, h)
+    return _GRUCellEager.apply(igates, hgates, h)
+
+
+# --------------------------------------------------------------------------- cell forwards
+
+
+def _lstm_cell_module_forward(self: nn.LSTMCell, input: Tensor, hx=None):
+    """``nn.LSTMCell.forward`` with the pointwise part as ``autopar::lstm_cell``."""
+    if input.dim() not in (1, 2):
+        raise ValueError(f"LSTMCell: Expected input to be 1D or 2D, got {input.dim()}D instead")
+    if hx is not None:
+        for idx, value in enumerate(hx):
+            if value.dim() not in (1, 2):
+                raise ValueError(
+                    f"LSTMCell: Expected hx[{idx}] to be 1D or 2D, got {value.dim()}D instead"
+                )
+    batched = input.dim() == 2
+    if not batched:
+        input = input.unsqueeze(0)
+    if hx is None:
+        zeros = input.new_zeros(input.size(0), self.hidden_size)
+        hx = (zeros, zeros)
+    elif not batched:
+        hx = (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
+    igates = F.linear(input, self.weight_ih, self.bias_ih)
+    hgates = F.linear(hx[0], self.weight_hh, self.bias_hh)
+    h, c = _lstm_pointwise(igates, hgates, hx[1])
+    if not batched:
+        return h.squeeze(0), c.squeeze(0)
+    return h, c
+
+
+def _gru_cell_module_forward(self: nn.GRUCell, input: Tensor, hx=None):
+    """``nn.GRUCell.forward`` with the pointwise part as ``autopar::gru_cell``."""
+    if input.dim() not in (1, 2):
+        raise ValueError(f"GRUCell: Expected input to be 1D or 2D, got {input.dim()}D instead")
+    if hx is not None and hx.dim() not in (1, 2):
+        raise ValueError(f"GRUCell: Expected hidden to be 1D or 2D, got {hx.dim()}D instead")
+    batched = input.dim() == 2
+    if not batched:
+        input = input.unsqueeze(0)
+    if hx is None:
+        hx = input.new_zeros(input.size(0), self.hidden_size)
+    elif not batched:
+        hx = hx.unsqueeze(0)
+    igates = F.linear(input, self.weight_ih, self.bias_ih)
+    hgates = F.linear(hx, self.weight_hh, self.bias_hh)
+    h = _gru_pointwise(igates, hgates, hx)
+    return h if batched else h.squeeze(0)
+
+
+# --------------------------------------------------------------------------- fused LSTM layer
+
+_HAS_MKLDNN = bool(torch.backends.mkldnn.is_available())
+_MKLDNN_BF16 = _HAS_MKLDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def mkldnn_lstm_usable(*tensors: Tensor | None) -> bool:
+    """Can ``aten.mkldnn_rnn_layer`` run an LSTM layer on these tensors (all of one dtype)?
+
+    CPU, float32 (or bfloat16 where oneDNN supports it), non-empty, oneDNN built in and not
+    disabled (``torch.backends.mkldnn.enabled``, read outside Dynamo traces only)."""
+    ts = [t for t in tensors if t is not None]
+    if not _HAS_MKLDNN or not ts or ts[0].numel() == 0:
+        return False
+    if not torch.compiler.is_compiling() and not torch.backends.mkldnn.enabled:
+        return False
+    dtype = ts[0].dtype
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and _MKLDNN_BF16):
+        return False
+    return all(t.dtype == dtype and t.device.type == "cpu" for t in ts)
+
+
+def unrolled_lstm_layer(
+    x: Tensor, w_ih, w_hh, b_ih, b_hh, h0: Tensor, c0: Tensor, *, reverse: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer as one input GEMM over [T*B, I] plus a GEMM and a cell op per step."""
+    ig_steps = F.linear(x, w_ih, b_ih).unbind(0)  # unbind: ONE stack in backward
+    h, c = h0, c0
+    out: list = [None] * x.size(0)
+    for t in range(x.size(0) - 1, -1, -1) if reverse else range(x.size(0)):
+        h, c = _lstm_pointwise(ig_steps[t], F.linear(h, w_hh, b_hh), c)
+        out[t] = h
+    return torch.stack(out), h, c
+
+
+def fused_lstm_layer(
+    x: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    h0: Tensor,
+    c0: Tensor,
+    *,
+    reverse: bool = False,
+    train: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer and direction over a whole sequence: ``(out[T,B,H], hy[B,H], cy[B,H])``.
+
+    ``x`` is time-major ``[T, B, I]``; ``h0``/``c0`` are ``[B, H]``; ``reverse`` runs from
+    ``t = T-1`` down to 0 (nn.LSTM's reverse direction). Where :func:`mkldnn_lstm_usable`,
+    this is ONE ``aten.mkldnn_rnn_layer`` call -- exactly what ``aten::lstm`` runs per layer
+    and direction on CPU, so results are bit-identical to ``nn.LSTM`` -- which Dynamo +
+    AOTAutograd capture as one forward and one ``aten.mkldnn_rnn_layer_backward`` node.
+    Otherwise (CUDA, float64, no oneDNN) it is :func:`unrolled_lstm_layer`.
+    ``train=False`` skips the workspace (forward only: no backward through it).
+
+    The oneDNN op ignores strides, so every tensor is made contiguous first. Missing biases
+    are passed as zeros that do not require grad (no gradient goes anywhere).
+
+    Example::
+
+        out, hy, cy = fused_lstm_layer(x, lstm.weight_ih_l0, lstm.weight_hh_l0,
+                                       lstm.bias_ih_l0, lstm.bias_hh_l0, h0, c0)
+    """
+    if not mkldnn_lstm_usable(x, w_ih, w_hh, b_ih, b_hh, h0, c0) or w_hh.size(1) != h0.size(-1):
+        return unrolled_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse=reverse)
+    has_biases = b_ih is not None
+    if b_ih is None:
+        b_ih = w_ih.new_zeros(w_ih.size(0))
+    if b_hh is None:
+        b_hh = w_hh.new_zeros(w_hh.size(0))
+    args = [t.contiguous() for t in (x, w_ih, w_hh, b_ih, b_hh, h0, c0)]
+    # Always the wrapper op (eager too: its ~20 us dispatch is noise next to a layer), so
+    # graphs traced by any route (Dynamo, or make_fx of an FX graph calling this) work.
+    out, hy, cy, _ = torch.ops.autopar.mkldnn_rnn_layer(*args, reverse, has_biases, train)
+    return out, hy, cy
+
+
+# --------------------------------------------------------------------------- the rewrite
+
+
+def _replacement(module: nn.Module):
+    # nn.LSTM / nn.GRU forms live in autopar.rnn.layers (which imports this module).
+    from autopar.rnn.layers import gru_module_forward, lstm_module_forward
+
+    forwards = (
+        (nn.LSTMCell, _lstm_cell_module_forward),
+        (nn.GRUCell, _gru_cell_module_forward),
+        (nn.LSTM, lstm_module_forward),
+        (nn.GRU, gru_module_forward),
+    )
+    for kind, fn in forwards:
+        if isinstance(module, kind):
+            return fn
+    return None
+
+
+@contextlib.contextmanager
+def rewrite_rnns(model: nn.Module, *, rnn_form: str | None = None) -> Iterator[list[str]]:
+    """Route every LSTM/GRU (cell) submodule of ``model`` through autopar's custom-op form.
+
+    While active, each ``nn.LSTMCell``, ``nn.GRUCell``, ``nn.LSTM`` and ``nn.GRU`` in
+    ``model`` (``model`` itself included) runs an equivalent forward built from
+    ``F.linear`` GEMMs and the ``autopar::lstm_cell`` / ``autopar::gru_cell`` custom ops,
+    reading the module's own Parameters (no copies: ``state_dict()``, ``parameters()`` and
+    the user's optimizer are untouched). On exit the modules are exactly as before.
+    Yields the qualified names of the rewritten modules.
+
+    ``nn.LSTM`` and ``nn.GRU`` run in one of :data:`RNN_FORMS` (``autopar.rnn.layers``):
+    ``"unrolled"`` (per-step cell ops), ``"fused"`` (one :func:`fused_lstm_layer` or
+    ``fused_gru_layer`` per layer and direction) or ``"chunked"`` (fused calls over k time
+    chunks, a layer x time wavefront). By default each module's form is chosen from
+    measurements at its first call per input shape; ``rnn_form=`` (or env
+    ``AUTOPAR_RNN_FORM``; ``"chunked:4"`` fixes k) forces one.
+    The fused GRU layer is :mod:`autopar.rnn.gru` (oneDNN has no CPU GRU layer in ATen).
+
+    Mechanism: an instance attribute ``forward`` (a bound method of the module) shadows
+    the class's ``forward`` and is deleted on exit. Dynamo guards on the underlying
+    function and module, so re-entering the context does not recompile.
+
+    Example::
+
+        model = nn.Sequential(nn.LSTM(8, 16, num_layers=2))
+        with rewrite_rnns(model) as names:          # names == ["0"]
+            out, (h, c) = model(torch.randn(5, 3, 8))
+            out.sum().backward()                    # grads land in model's Parameters
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(
+            f"autopar.rnn.cells.rewrite_rnns expects an nn.Module, got {type(model).__name__}."
+        )
+    from autopar.rnn import layers as rnn_layers
+
+    form = rnn_form if rnn_form is not None else os.environ.get("AUTOPAR_RNN_FORM") or None
+    if form is not None:
+        rnn_layers.parse_form(form)  # a clear error for a bad name, before anything runs
+    patched: list[tuple[str, nn.Module]] = []
+    saved_form = rnn_layers.form_override
+    if form is not None:  # else keep an enclosing context's override
+        rnn_layers.form_override = form
+    # Dynamo refuses to trace nn.LSTM/GRU/RNN modules unless allow_rnn is set (their eager
+    # forward calls _VF.lstm, which AOTAutograd cannot handle); the rewritten forward is
+    # plain traceable Python, so allow it while the rewrite is active.
+    with torch._dynamo.config.patch(allow_rnn=True):
+        try:
+            for name, module in model.named_modules():
+                fn = _replacement(module)
+                if fn is None:
+                    continue
+                current = module.__dict__.get("forward")
+                if getattr(current, "__func__", None) is fn:
+                    continue  # an enclosing rewrite_rnns routes it already and will restore it
+                if current is not None:
+                    raise CaptureError(
+                        f"autopar: module {name or type(module).__name__!r} "
+                        f"({type(module).__name__}) has an instance attribute 'forward' (a "
+                        "user patch); autopar will not override it. Remove the patch, or keep "
+                        'RNNs eager with autopar.compile(..., rnn="eager").'
+                    )
+                module.forward = types.MethodType(fn, module)
+                patched.append((name, module))
+            yield [name for name, _ in patched]
+        finally:
+            rnn_layers.form_override = saved_form
+            for _, module in patched:
+                module.__dict__.pop("forward", None)
+
+
+# Registers autopar::mkldnn_rnn_layer (fused_lstm_layer's op); at the end: it imports us.
+from autopar.rnn import layers as _rnn_layers  # noqa: E402, F401
