@@ -88,7 +88,7 @@ def overhead(model_name: str, steps: int, store) -> list[str]:
 
 
 def slowdown(factor: float, store) -> list[str]:
-    from autopar.planning.partition import _default_machine
+    from autopar.planning.partition import default_machine
     from autopar.planning.simulate import simulate
     from autopar.planning.taskgraph import task_graph_from_profile
 
@@ -112,7 +112,7 @@ def slowdown(factor: float, store) -> list[str]:
         _step(cm, inputs)
     rows = autopar.stats(cm, per="graph")
     rows = rows[rows.step >= start]
-    machine = _default_machine(store)
+    machine = default_machine(store)
     out = []
     for tag, r in recs.items():
         plan0, table = stale[tag]

@@ -29,7 +29,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import autopar.rnn.cells as rnn
-from autopar.rnn.cells import rewrite_rnns
+from autopar.rnn.rewrite import rewrite_rnns
 
 
 class CellStack(nn.Module):

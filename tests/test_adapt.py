@@ -18,7 +18,7 @@ import torch.nn as nn
 import autopar
 from autopar.adapt import monitor as adapt
 from autopar.errors import FallbackWarning, PlanError
-from autopar.planning.partition import _default_machine, make_plan
+from autopar.planning.partition import default_machine, make_plan
 from autopar.planning.simulate import simulate
 from autopar.planning.taskgraph import task_graph_from_profile
 from autopar.profiling.store import ProfileStore
@@ -88,7 +88,7 @@ def test_adapt_false_records_nothing():
 
 def _sim(plan, table):
     g = task_graph_from_profile(table)
-    return simulate(g, plan.placement, list(plan.order), list(plan.streams), _default_machine())
+    return simulate(g, plan.placement, list(plan.order), list(plan.streams), default_machine())
 
 
 def test_injected_slowdown_replans_and_moves_work(caplog):

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.codegen.python import generate, is_rng
+from autopar.codegen.emit import is_rng
+from autopar.codegen.executors import generate
 from autopar.errors import PlanError
 from autopar.planning.plan import Plan, Stream, Sync, node_key
 
@@ -161,8 +162,8 @@ def test_bad_plans_raise_clear_errors():
     order = [node_key(TAG, n.name) for n in gm.graph.nodes][::-1]
     with pytest.raises(PlanError, match="topological"):
         generate(gm, make_plan(gm, lambda i, n: 0, 1, order=order), TAG)
-    with pytest.raises(NotImplementedError, match="inductor_runs"):
-        generate(gm, make_plan(gm, lambda i, n: 0, 1), TAG, inductor_runs=True)
+    with pytest.raises(ValueError, match="executor must be one of"):
+        generate(gm, make_plan(gm, lambda i, n: 0, 1), TAG, executor="nope")
 
 
 def test_save_and_traceback_show_generated_lines(tmp_path):

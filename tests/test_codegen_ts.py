@@ -23,7 +23,7 @@ from test_codegen import (
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
-from autopar.codegen.python import generate
+from autopar.codegen.executors import generate
 from autopar.codegen.torchscript import FALLBACK_NOTE, generate_ts
 from autopar.planning.partition import make_plan as plan_graph
 from autopar.profiling.store import ProfileStore

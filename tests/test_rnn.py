@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from autopar.errors import CaptureError
-from autopar.rnn.cells import rewrite_rnns
+from autopar.rnn.rewrite import rewrite_rnns
 
 IN, H, B = 5, 6, 3
 

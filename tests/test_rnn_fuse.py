@@ -13,8 +13,8 @@ from oracle import check_training
 import autopar
 from autopar.errors import FallbackWarning
 from autopar.profiling.store import ProfileStore
-from autopar.rnn.cells import rewrite_rnns
 from autopar.rnn.fuse import fuse_cell_loops
+from autopar.rnn.rewrite import rewrite_rnns
 from autopar.tools import zoo
 
 pytestmark = pytest.mark.skipif(

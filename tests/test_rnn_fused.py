@@ -21,9 +21,9 @@ import autopar.rnn.layers as rl
 from autopar.rnn.cells import (
     fused_lstm_layer,
     mkldnn_lstm_usable,
-    rewrite_rnns,
     unrolled_lstm_layer,
 )
+from autopar.rnn.rewrite import rewrite_rnns
 
 IN, H, B, T = 5, 6, 3, 7
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from test_codegen import ARGS, TAG, assert_same, branches, make_plan
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar.runtime.streams as rt
-from autopar.codegen.python import generate
+from autopar.codegen.executors import generate
 
 
 def run_with_deadline(fn, seconds=60.0):

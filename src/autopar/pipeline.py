@@ -37,7 +37,11 @@ class Pipeline:
         cache_size = getattr(options, "cache_size", 8)
         self.monitor = Monitor(self, adapt, cache_size)
         align_dynamo_limit(cache_size)
-        self.capture = Capture(prepare=self.prepare, on_call=self.monitor.on_call)
+        from autopar.rnn.fuse import fuse_cell_loops
+
+        self.capture = Capture(
+            prepare=self.prepare, on_call=self.monitor.on_call, graph_passes=(fuse_cell_loops,)
+        )
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
 
@@ -61,7 +65,7 @@ class Pipeline:
         self.monitor.begin_step(key, lambda: describe_key(key))
         t0 = time.perf_counter()
         if self.options.rnn == "unroll":
-            from autopar.rnn.cells import rewrite_rnns
+            from autopar.rnn.rewrite import rewrite_rnns
 
             with rewrite_rnns(model):
                 out = compiled(*args, **kwargs)
@@ -127,7 +131,8 @@ class Pipeline:
         the best time of each counts (noise only ever adds time). A multi-stream program
         must win by ``MEASURE_MARGIN`` to be kept.
         """
-        from autopar.codegen.python import generate, has_side_effects
+        from autopar.codegen.emit import has_side_effects
+        from autopar.codegen.executors import generate
         from autopar.planning.partition import make_plan
 
         if len(getattr(program, "streams_used", ())) <= 1 or has_side_effects(record.gm):
@@ -161,7 +166,7 @@ class Pipeline:
     def plan_and_generate(self, record: GraphRecord, table):
         """Plan ``table`` (one graph's profile) and generate its program (thread-safe: the
         adaptive re-planner calls it from a background thread)."""
-        from autopar.codegen.python import generate
+        from autopar.codegen.executors import generate
         from autopar.planning.partition import make_plan
 
         opts = self.options

@@ -376,11 +376,11 @@ class Monitor:
         if h not in st.fake:
             st.fake[h] = 0.0
             if st.true_table is not None:
-                from autopar.planning.partition import _default_machine
+                from autopar.planning.partition import default_machine
                 from autopar.planning.simulate import simulate
                 from autopar.planning.taskgraph import task_graph_from_profile
 
-                machine = _default_machine(self.pipeline.store)
+                machine = default_machine(self.pipeline.store)
                 s = []
                 for t in (self._scaled(st.true_table), st.true_table):
                     g = task_graph_from_profile(t)

@@ -46,6 +46,18 @@ Prepare = Callable[["GraphRecord", list], tuple[Any, Callable[[list], Any]]]
 OnCall = Callable[["GraphRecord", Callable[[list], Any], list], Any]
 
 
+def node_key(graph_tag: str, node_name: str) -> str:
+    """The plan-wide name of an FX node: ``"<graph_tag>/<node.name>"`` (e.g. ``"g0.fw/addmm"``).
+
+    Made here, once, for every stage: capture stores it in ``node.meta["autopar.key"]``."""
+    return f"{graph_tag}/{node_name}"
+
+
+#: An FX pass run on each Dynamo graph before AOTAutograd traces it (e.g. fusing a user's
+#: RNN cell loop). It edits ``gm`` in place and returns how many rewrites it made.
+GraphPass = Callable[[fx.GraphModule], int]
+
+
 @dataclass
 class GraphRecord:
     """One captured aten graph and what the later stages made of it."""
@@ -56,7 +68,7 @@ class GraphRecord:
     capture_s: float = 0.0  # time spent tracing up to this graph (AOTAutograd included)
     table: Any = None  # profile DataFrame
     plan: Any = None  # autopar.planning.plan.Plan
-    program: Any = None  # autopar.codegen.python.Program
+    program: Any = None  # autopar.codegen.emit.Program
     fallback: str | None = None  # why this graph runs as captured, if it does
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
     group: int = 0  # k of the Dynamo graph it came from (g<k>.fw and g<k>.bw share it)
@@ -129,9 +141,15 @@ class LazyGraph:
 class Capture:
     """Records the graphs of one compiled model; ``backend`` is given to ``torch.compile``."""
 
-    def __init__(self, prepare: Prepare = run_serially, on_call: OnCall | None = None):
+    def __init__(
+        self,
+        prepare: Prepare = run_serially,
+        on_call: OnCall | None = None,
+        graph_passes: tuple[GraphPass, ...] = (),
+    ):
         self.prepare = prepare
         self.on_call = on_call
+        self.graph_passes = graph_passes
         self.records: list[GraphRecord] = []
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -142,7 +160,7 @@ class Capture:
     def _compiler(self, tag: str, phase: str, t0: float, group: int):
         def compile_graph(gm: fx.GraphModule, example_inputs):
             for node in gm.graph.nodes:
-                node.meta["autopar.key"] = f"{tag}/{node.name}"
+                node.meta["autopar.key"] = node_key(tag, node.name)
                 node.meta["autopar.phase"] = phase
             record = GraphRecord(tag, phase, gm, capture_s=time.perf_counter() - t0, group=group)
             with self._lock:
@@ -157,7 +175,7 @@ class Capture:
 
         k = next(self._counter)
         t0 = time.perf_counter()
-        _fuse_rnn_loops(gm, k)
+        _run_graph_passes(self.graph_passes, gm, k)
         try:
             compiler = aot_autograd(
                 fw_compiler=self._compiler(f"g{k}.fw", "forward", t0, k),
@@ -176,26 +194,34 @@ class Capture:
             return gm.forward
 
 
-def _fuse_rnn_loops(gm: fx.GraphModule, k: int) -> None:
-    """Fuse nn.LSTMCell / nn.GRUCell time loops into layer ops (``autopar.rnn.fuse``) before
-    AOTAutograd. Best effort: on any failure the graph stays exactly as Dynamo gave it."""
-    try:
-        from autopar.rnn.fuse import fuse_cell_loops
-
-        n = fuse_cell_loops(gm)
-        if n:
-            _log.debug("Dynamo graph %d: fused %d LSTMCell/GRUCell loop(s)", k, n)
-    except Exception:  # noqa: BLE001 - an optimization only: never break capture
-        _log.debug(
-            "Dynamo graph %d: RNN cell loop fusion failed; graph unchanged", k, exc_info=True
-        )
+def _run_graph_passes(passes: tuple[GraphPass, ...], gm: fx.GraphModule, k: int) -> None:
+    """Run the pipeline's FX passes on Dynamo graph ``k`` before AOTAutograd. Best effort:
+    each pass is an optimization that works on a copy and leaves ``gm`` exactly as it was
+    when it fails, so a failure is logged and capture goes on."""
+    for graph_pass in passes:
+        name = getattr(graph_pass, "__name__", repr(graph_pass))
+        try:
+            n = graph_pass(gm)
+            if n:
+                _log.debug("Dynamo graph %d: %s made %d rewrite(s)", k, name, n)
+        except Exception:  # noqa: BLE001 - an optimization only: never break capture
+            _log.debug("Dynamo graph %d: %s failed; graph unchanged", k, name, exc_info=True)
 
 
 def _first_call_node(gm: fx.GraphModule) -> fx.Node | None:
     return next((n for n in gm.graph.nodes if n.op in ("call_function", "call_module")), None)
 
 
-__all__ = ["Capture", "FallbackWarning", "GraphRecord", "LazyGraph", "OnCall", "run_serially"]
+__all__ = [
+    "Capture",
+    "FallbackWarning",
+    "GraphPass",
+    "GraphRecord",
+    "LazyGraph",
+    "OnCall",
+    "node_key",
+    "run_serially",
+]
 
 
 def dynamo_compile(module: torch.nn.Module, capture: Capture):

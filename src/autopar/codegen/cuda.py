@@ -1,7 +1,7 @@
 """Codegen for CUDA plans: one function enqueues every stream's work in plan order.
 
-Split from ``autopar.codegen.python`` (which schedules the graph and emits serial and CPU
-worker-stream programs); ``codegen.generate`` calls ``emit_cuda`` for plans whose streams
+Built on ``autopar.codegen.emit`` (the shared schedule and statements);
+``autopar.codegen.python.generate_python`` calls ``emit_cuda`` for plans whose streams
 are on a CUDA device. Cross-stream edges become ``Event.record`` + ``wait_event``; a tensor
 used on a stream other than the one that allocated it gets ``record_stream`` (so the caching
 allocator does not hand its memory out while that stream may still read it); with
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.codegen.python import _call_expr, _fmt, _prologue, _Stmt, _with_deletes
+from autopar.codegen.emit import Stmt, call_expr, fmt, prologue, with_deletes
 
 
 def emit_cuda(sched, plan, local, namer, inputs, out_node, cuda_graph, tag):
@@ -38,38 +38,38 @@ def emit_cuda(sched, plan, local, namer, inputs, out_node, cuda_graph, tag):
             + "  # inputs are ready on the caller's stream"
         )
     namer.globals["_STREAM_KEY"] = f"{tag}/{plan.plan_hash}"
-    stmts: list[_Stmt] = []
+    stmts: list[Stmt] = []
     current = main
     on_stream: set[tuple[fx.Node, int]] = set()  # (value, stream) already record_stream-ed
     for n in sched.compute:
         d = stream[n]
         if d != current:
-            stmts.append(_Stmt(f"torch.cuda.set_stream({sv[d]})"))
+            stmts.append(Stmt(f"torch.cuda.set_stream({sv[d]})"))
             current = d
         for p in sched.waits[n]:
-            stmts.append(_Stmt(f"{sv[d]}.wait_event(e_{ev_of[p]})  # after {p.name}"))
+            stmts.append(Stmt(f"{sv[d]}.wait_event(e_{ev_of[p]})  # after {p.name}"))
         for p in n.all_input_nodes:
             home = stream.get(p, main)  # inputs were allocated on the caller's stream
             if home != d and (p, d) not in on_stream:
                 on_stream.add((p, d))  # the allocator must not reuse p before d is done
-                stmts.append(_Stmt(_record(p, local[p], sv[d]), [local[p]]))
-        text = f"{local[n]} = {_call_expr(n, ref, namer)}"
+                stmts.append(Stmt(_record(p, local[p], sv[d]), [local[p]]))
+        text = f"{local[n]} = {call_expr(n, ref, namer)}"
         if n in ev_of:
             i = ev_of[n]
             text += f";  e_{i} = torch.cuda.Event();  e_{i}.record({sv[d]})"
-        stmts.append(_Stmt(text, [local[p] for p in n.all_input_nodes], local[n], n))
-    body = [_Stmt(f"torch.cuda.set_stream({sv[main]})")] if current != main else []
+        stmts.append(Stmt(text, [local[p] for p in n.all_input_nodes], local[n], n))
+    body = [Stmt(f"torch.cuda.set_stream({sv[main]})")] if current != main else []
     if others:
         joins = ";  ".join(f"{sv[main]}.wait_stream({sv[s]})" for s in others)
-        body.append(_Stmt(joins + "  # the caller's stream sees all work"))
+        body.append(Stmt(joins + "  # the caller's stream sees all work"))
     for p in dict.fromkeys(out_node.all_input_nodes):
         if stream.get(p, main) != main:
-            body.append(_Stmt(_record(p, local[p], sv[main]), [local[p]]))
-    out = _fmt(out_node.args[0], ref, namer)
-    body.append(_Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
-    all_stmts = _with_deletes(stmts + body, set())
+            body.append(Stmt(_record(p, local[p], sv[main]), [local[p]]))
+    out = fmt(out_node.args[0], ref, namer)
+    body.append(Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
+    all_stmts = with_deletes(stmts + body, set())
     fname = "_run" if cuda_graph else "forward"
-    lines = [f"def {fname}({', '.join(params)}):", *_prologue(inputs, local), *pre, "    try:"]
+    lines = [f"def {fname}({', '.join(params)}):", *prologue(inputs, local), *pre, "    try:"]
     owners: list = [None] * len(lines)
     for s in all_stmts[: len(stmts)]:
         lines.append(f"        {s.text}")

@@ -35,7 +35,7 @@ Example::
     >>> keys = [node_key("g0.fw", n.name) for n in gm.graph.nodes]
     >>> plan = Plan("g0.fw", "serial", (Stream(0, "cpu", 1),),
     ...             tuple((k, 0) for k in keys), tuple(keys), ())
-    >>> prog = generate(gm, plan, "g0.fw")
+    >>> prog = generate_python(gm, plan, "g0.fw")
     >>> x = torch.randn(3)
     >>> torch.equal(prog.fn(x), gm(x))
     True
@@ -43,410 +43,43 @@ Example::
 
 from __future__ import annotations
 
-import datetime
-import itertools
-import linecache
-import math
-import operator
-import os
-import re
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 import torch.fx as fx
 
-from autopar.errors import PlanError, describe_node
-from autopar.planning.plan import Plan, node_key
-from autopar.runtime import streams as _runtime
-
-_COMPUTE_OPS = ("call_function", "call_method", "call_module")
-_RESERVED = {"torch", "aten", "operator", "inf", "nan", "st", "v", "ev", "w", "a", "_rt", "_gm"}
-_RNG_NAMES = {
-    "dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
-    "randn_like", "randint", "randint_like", "randperm", "normal", "normal_", "uniform",
-    "uniform_", "exponential", "exponential_", "geometric_", "log_normal_", "cauchy_",
-    "multinomial", "poisson", "rrelu_with_noise", "_fused_dropout", "feature_dropout",
-}  # fmt: skip
-_counter = itertools.count()
-
-
-@dataclass
-class Program:
-    """A generated program: ``fn(*args)`` returns what ``gm(*args)`` returns.
-
-    Example::
-
-        >>> prog = generate(gm, plan, "g0.fw")        # doctest: +SKIP
-        >>> out = prog.fn(x); prog.save("/tmp/g0_fw.py")  # doctest: +SKIP
-    """
-
-    source: str
-    fn: Callable[..., Any]
-    plan: Plan
-    tag: str
-    filename: str
-    notes: tuple[str, ...] = ()
-    streams_used: tuple[int, ...] = ()
-    node_at_line: dict[int, str] = field(default_factory=dict)
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def save(self, path: str) -> str:
-        """Write the source (provenance header included) to ``path``; return ``path``."""
-        with open(path, "w") as f:
-            f.write(self.source)
-        return path
+from autopar.capture.backend import node_key
+from autopar.codegen.cuda import emit_cuda
+from autopar.codegen.emit import (
+    COMPUTE_OPS,
+    PROGRAM_IMPORTS,
+    RESERVED,
+    Namer,
+    Program,
+    Stmt,
+    call_expr,
+    fmt,
+    load_source,
+    program_counter,
+    prologue,
+    provenance_header,
+    schedule,
+    with_deletes,
+)
+from autopar.errors import PlanError
+from autopar.planning.plan import Plan
 
 
-# -- graph analysis ---------------------------------------------------------------------------
-def _schema_args(node: fx.Node):
-    """(schema argument, value) pairs of an OpOverload call."""
-    schema = node.target._schema
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            yield arg, node.args[i]
-        elif arg.name in node.kwargs:
-            yield arg, node.kwargs[arg.name]
-
-
-def _is_op(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-
-
-def is_rng(node: fx.Node) -> bool:
-    """Whether ``node`` consumes the global random generator.
-
-    Example::
-
-        >>> g = make_fx(lambda x: torch.dropout(x, 0.5, True))(torch.ones(2))  # doctest: +SKIP
-    """
-    if not _is_op(node):
-        return False
-    op = node.target
-    if torch.Tag.nondeterministic_seeded in op.tags:
-        return True
-    if op._schema.name.split("::")[-1] in _RNG_NAMES:
-        return True
-    return any("Generator" in str(a.type) for a in op._schema.arguments)
-
-
-def has_side_effects(gm: fx.GraphModule) -> bool:
-    """Whether running ``gm`` again would repeat an effect: a write into an argument (an
-    input mutation such as a BatchNorm statistic) or a draw from the random generator."""
-    nodes = list(gm.graph.nodes)
-    _, writes = _buffer_analysis(nodes)
-    return bool(writes) or any(is_rng(n) for n in nodes)
-
-
-def _buffer_analysis(nodes: list[fx.Node]) -> tuple[dict, dict]:
-    """``base[n]``: the node owning n's storage; ``writes[n]``: bases that n writes."""
-    base: dict[fx.Node, fx.Node] = {}
-    writes: dict[fx.Node, set] = {}
-    for n in nodes:
-        base[n] = n
-        if _is_op(n):
-            aliased = None
-            for arg, val in _schema_args(n):
-                if arg.alias_info is None or not isinstance(val, fx.Node):
-                    continue
-                aliased = aliased or val
-                if arg.alias_info.is_write:
-                    writes.setdefault(n, set()).add(base[val])
-            if aliased is not None and any(r.alias_info for r in n.target._schema.returns):
-                base[n] = base[aliased]  # a view or an in-place result: same buffer
-        elif n.op == "call_function" and n.target is operator.getitem:
-            src = n.args[0]
-            if isinstance(src, fx.Node) and base[src] is not src:
-                base[n] = base[src]  # an element of split/unbind/chunk (views)
-    return base, writes
-
-
-# -- formatting -------------------------------------------------------------------------------
-class _Namer:
-    """Readable names for locals and for the globals the program needs."""
-
-    def __init__(self) -> None:
-        self.globals: dict[str, Any] = {
-            "torch": torch,
-            "aten": torch.ops.aten,
-            "operator": operator,
-            "inf": math.inf,
-            "nan": math.nan,
-            "_rt": _runtime,
-        }
-        self._ids: dict[int, str] = {}
-
-    def add_global(self, hint: str, obj: Any) -> str:
-        if id(obj) in self._ids:
-            return self._ids[id(obj)]
-        name = "_" + re.sub(r"\W+", "_", hint).strip("_")
-        base, k = name, 0
-        while name in self.globals:
-            k += 1
-            name = f"{base}_{k}"
-        self.globals[name] = obj
-        self._ids[id(obj)] = name
-        return name
-
-    def target(self, node: fx.Node) -> str:
-        t = node.target
-        if isinstance(t, torch._ops.OpOverload):
-            ns, name = t._schema.name.split("::")
-            head = "aten" if ns == "aten" else f"torch.ops.{ns}"
-            return f"{head}.{name}.{t._overloadname}"
-        if isinstance(t, torch._ops.OpOverloadPacket):
-            return f"torch.ops.{t._qualified_op_name.replace('::', '.')}"
-        return self.add_global(getattr(t, "__qualname__", getattr(t, "__name__", "fn")), t)
-
-    def const(self, c: Any) -> str:
-        if c is None or isinstance(c, (bool, int, str)):
-            return repr(c)
-        if isinstance(c, float):
-            return repr(c)  # inf / nan are globals
-        if isinstance(c, (torch.dtype, torch.layout, torch.memory_format)):
-            return repr(c) if repr(c).startswith("torch.") else f"torch.{c}"
-        if isinstance(c, torch.device):
-            return f"torch.device({str(c)!r})"
-        return self.add_global(f"const_{type(c).__name__}", c)
-
-
-def _fmt(value: Any, ref: Callable[[fx.Node], str], namer: _Namer) -> str:
-    if isinstance(value, fx.Node):
-        return ref(value)
-    if isinstance(value, tuple):
-        inner = ", ".join(_fmt(x, ref, namer) for x in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(x, ref, namer) for x in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_fmt(x, ref, namer)}" for k, x in value.items()) + "}"
-    if isinstance(value, slice):
-        parts = (value.start, value.stop, value.step)
-        return "slice(" + ", ".join(_fmt(x, ref, namer) for x in parts) + ")"
-    return namer.const(value)
-
-
-def _call_expr(n: fx.Node, ref: Callable[[fx.Node], str], namer: _Namer) -> str:
-    args = [_fmt(a, ref, namer) for a in n.args]
-    args += [f"{k}={_fmt(x, ref, namer)}" for k, x in n.kwargs.items()]
-    if n.op == "call_function" and n.target is operator.getitem and not n.kwargs:
-        return f"{args[0]}[{args[1]}]"
-    if n.op == "call_method":
-        return f"{args[0]}.{n.target}({', '.join(args[1:])})"
-    if n.op == "call_module":
-        mod = namer.add_global(f"mod_{n.target}", n.graph.owning_module.get_submodule(n.target))
-        return f"{mod}({', '.join(args)})"
-    return f"{namer.target(n)}({', '.join(args)})"
-
-
-# -- scheduling -------------------------------------------------------------------------------
-@dataclass
-class _Schedule:
-    compute: list[fx.Node]  # in plan order
-    stream: dict[fx.Node, int]
-    main: int
-    stream_ids: list[int]  # main first, then the other used streams in plan order
-    waits: dict[fx.Node, list[fx.Node]]
-    signals: list[fx.Node]
-    notes: list[str]
-
-
-def _schedule(gm: fx.GraphModule, plan: Plan, tag: str, cuda: bool) -> _Schedule:
-    nodes = list(gm.graph.nodes)
-    key = {n: node_key(tag, n.name) for n in nodes}
-    by_key = {k: n for n, k in key.items()}
-    place = plan.placement
-    ids = [s.id for s in plan.streams]
-    compute = [n for n in nodes if n.op in _COMPUTE_OPS]
-    missing = [n for n in compute if key[n] not in place]
-    if missing:
-        shown = "; ".join(describe_node(n) for n in missing[:3])
-        raise PlanError(
-            f"plan {plan.graph_id!r} places no stream for {len(missing)} node(s) of graph "
-            f"{tag!r} (e.g. {shown}). Re-plan this graph, and check that the tag is the one "
-            "the plan was made for (node keys are '<tag>/<node.name>')."
-        )
-    bad = sorted({place[key[n]] for n in compute} - set(ids))
-    if bad:
-        raise PlanError(f"plan places nodes on streams {bad} that plan.streams lacks {ids}")
-    pos = {k: i for i, k in enumerate(plan.order)}
-    unordered = [key[n] for n in compute if key[n] not in pos]
-    if unordered:
-        raise PlanError(f"plan.order lacks {len(unordered)} placed node(s), e.g. {unordered[:3]}")
-    gpos = {n: i for i, n in enumerate(nodes)}
-    compute.sort(key=lambda n: pos[key[n]])
-    stream = {n: place[key[n]] for n in compute}
-    only = set(stream.values())
-    # one stream used: run it on the calling thread (straight-line code, no workers)
-    main = only.pop() if len(only) == 1 else (0 if 0 in ids else ids[0])
-    notes: list[str] = []
-
-    deps: dict[fx.Node, set] = {n: set() for n in compute}
-    for n in compute:
-        for p in n.all_input_nodes:
-            if p in deps:
-                if pos[key[p]] > pos[key[n]]:
-                    raise PlanError(
-                        f"plan.order runs {key[n]} before its input {key[p]}: the order must "
-                        "be topological. Re-run the planner (its verifier catches this)."
-                    )
-                deps[n].add(p)
-
-    # RNG ops: eager order, and (CPU) all on the calling thread.
-    rng = [n for n in compute if is_rng(n)]
-    if [gpos[n] for n in rng] != sorted(gpos[n] for n in rng):
-        raise PlanError(
-            "plan.order reorders random ops relative to the graph "
-            f"({', '.join(key[n] for n in rng[:4])}...): they share the global generator, so "
-            "results would differ from eager. Keep random ops in graph order."
-        )
-    for n in rng:
-        if not cuda and stream[n] != main:
-            notes.append(f"RNG op {key[n]} moved from stream {stream[n]} to stream {main}")
-            stream[n] = main
-
-    # In-place writes: readers of the written buffer keep their eager order around the write.
-    base, writes = _buffer_analysis(nodes)
-    readers: dict[fx.Node, list[fx.Node]] = {}
-    for n in compute:
-        for p in n.all_input_nodes:
-            readers.setdefault(base[p], []).append(n)
-    for m, bufs in writes.items():
-        for b in bufs:
-            for r in readers.get(b, []) + [w for w in writes if b in writes[w]]:
-                if r is m:
-                    continue
-                first, second = (r, m) if gpos[r] < gpos[m] else (m, r)
-                if pos[key[first]] > pos[key[second]]:
-                    raise PlanError(
-                        f"plan.order runs {key[second]} before {key[first]}, but one of them "
-                        f"writes in place the buffer of {b.name} the other uses "
-                        f"({describe_node(m)}). Keep them in graph order."
-                    )
-                deps[second].add(first)
-
-    for s in plan.syncs:
-        src, dst = by_key.get(s.src), by_key.get(s.dst)
-        if src in deps and dst in deps:
-            if pos[s.src] > pos[s.dst]:
-                raise PlanError(f"plan sync {s.src} -> {s.dst} points backwards in plan.order")
-            deps[dst].add(src)
-
-    # Vector clocks: skip a wait already implied by an earlier wait of the same stream.
-    spos: dict[fx.Node, int] = {}
-    counts: dict[int, int] = {}
-    for n in compute:
-        spos[n] = counts.get(stream[n], 0)
-        counts[stream[n]] = spos[n] + 1
-    clock: dict[int, dict[int, int]] = {}
-    after: dict[fx.Node, dict[int, int]] = {}
-    waits: dict[fx.Node, list[fx.Node]] = {n: [] for n in compute}
-    signals: dict[fx.Node, None] = {}
-    for n in compute:
-        d = stream[n]
-        known = clock.setdefault(d, {})
-        need = [p for p in deps[n] if stream[p] != d]
-        for p in sorted(need, key=lambda p: -pos[key[p]]):  # later waits imply more
-            if known.get(stream[p], -1) >= spos[p]:
-                continue
-            waits[n].append(p)
-            signals[p] = None
-            for s2, q in after[p].items():
-                known[s2] = max(known.get(s2, -1), q)
-        known[d] = spos[n]
-        after[n] = dict(known)
-    used = [main] + [s for s in ids if s != main and s in counts]
-    for n in compute:
-        n.meta["autopar.stream"] = stream[n]
-    return _Schedule(compute, stream, main, used, waits, list(signals), notes)
-
-
-# -- emission -------------------------------------------------------------------------------
-class _Stmt:
-    __slots__ = ("text", "uses", "defines", "node")
-
-    def __init__(self, text: str, uses=(), defines=None, node=None):
-        self.text, self.uses, self.defines, self.node = text, list(uses), defines, node
-
-
-def _with_deletes(stmts: list[_Stmt], keep: set[str]) -> list[_Stmt]:
-    """Append ``del x`` after the statement that uses local ``x`` last (frees buffers early)."""
-    seen: set[str] = set(keep)
-    for s in reversed(stmts):
-        dead = [u for u in dict.fromkeys(s.uses + ([s.defines] if s.defines else [])) if u]
-        dead = [u for u in dead if u not in seen]
-        seen.update(dead)
-        if dead and not s.text.startswith("return"):
-            s.text += f";  del {', '.join(dead)}"
-    return stmts
-
-
-def _header(plan: Plan, tag: str, provenance: dict | None, notes: list[str], mode: str) -> str:
-    prov = dict(plan.provenance)
-    prov.update(provenance or {})
-    streams = ", ".join(f"{s.id}: {s.device} x{s.threads}t" for s in plan.streams)
-    lines = [
-        f"autopar generated program for graph {tag} ({mode}) - do not edit, re-generate it",
-        f"plan hash:      {plan.plan_hash}",
-        f"plan graph:     {plan.graph_id}",
-        f"policy:         {plan.policy}",
-        f"streams:        {streams}",
-        f"predicted time: {plan.predicted_step_time * 1e3:.3f} ms "
-        f"(serial {plan.serial_time * 1e3:.3f} ms, bound {plan.lower_bound * 1e3:.3f} ms)",
-        f"profile store:  {prov.get('store', prov.get('profile_store', 'unknown'))}",
-        f"torch:          {torch.__version__}",
-        f"autopar:        {getattr(sys.modules.get('autopar'), '__version__', 'unknown')}",
-        f"generated:      {datetime.datetime.now().isoformat(timespec='seconds')}",
-    ]
-    lines += [f"{k}: {v}" for k, v in prov.items() if k not in ("store", "profile_store")]
-    lines += [f"note: {x}" for x in notes]
-    return "".join(f"# {ln}\n" for ln in lines)
-
-
-def generate(
+def generate_python(
     gm: fx.GraphModule,
     plan: Plan,
     tag: str,
     *,
     provenance: dict | None = None,
     cuda_graph: bool = False,
-    inductor_runs: bool = False,
     timeout_s: float = 0.0,
-    executor: str | None = None,
 ) -> Program:
-    """Generate the program that runs graph ``gm`` (tagged ``tag``) as ``plan`` says.
-
-    ``provenance`` adds lines to the header (e.g. ``{"store": "profiles/x.json"}``).
-    ``cuda_graph`` wraps a CUDA program in ``torch.cuda.graph`` (static input shapes; the
-    outputs are the graph's static buffers, overwritten by the next call). ``timeout_s``
-    bounds one cross-stream wait (default ``autopar.runtime.streams.DEFAULT_TIMEOUT_S``).
-    ``executor`` (default ``$AUTOPAR_EXECUTOR`` or ``"python"``) for CPU plans: ``"python"``
-    (worker threads, this module), ``"torchscript"`` (``autopar.codegen.torchscript``: scripted
-    segments with fork/wait, falling back to ``"python"`` with a note when it cannot), or
-    ``"auto"`` (``"torchscript"`` for CPU plans with several streams).
-
-    Example::
-
-        >>> prog = generate(gm, plan, "g0.fw")  # doctest: +SKIP
-        >>> print(prog.source)                  # doctest: +SKIP
-    """
-    executor = executor or os.environ.get("AUTOPAR_EXECUTOR") or "python"
-    if executor not in ("python", "torchscript", "auto"):
-        raise ValueError(f"executor must be 'python', 'torchscript' or 'auto', not {executor!r}")
-    if executor != "python" and not cuda_graph and not inductor_runs:
-        from autopar.codegen.torchscript import generate_ts, wanted
-
-        if wanted(gm, plan, tag, executor):
-            return generate_ts(gm, plan, tag, provenance=provenance, timeout_s=timeout_s)
-    if inductor_runs:
-        raise NotImplementedError(
-            "inductor_runs=True is not implemented yet: generate with inductor_runs=False"
-        )
-    keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in _COMPUTE_OPS}
+    """The Python program for ``plan``: straight-line code for one stream, CPU worker streams
+    (``autopar.runtime.streams``) for several, or CUDA streams (``autopar.codegen.cuda``).
+    Arguments as in :func:`autopar.codegen.executors.generate`, which most callers use."""
+    keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in COMPUTE_OPS}
     devices = {plan.stream_of(k).device for k in keys & set(plan.placement)}
     cuda = any(d.startswith("cuda") for d in devices)
     if cuda and len(devices) > 1:
@@ -456,11 +89,11 @@ def generate(
         )
     if cuda_graph and not cuda:
         raise ValueError("cuda_graph=True needs a plan whose streams are on a CUDA device")
-    sched = _schedule(gm, plan, tag, cuda)
-    namer = _Namer()
+    sched = schedule(gm, plan, tag, cuda)
+    namer = Namer()
     namer.globals["_gm"] = gm
     nodes = list(gm.graph.nodes)
-    local = {n: n.name + "_" if n.name in _RESERVED else n.name for n in nodes}
+    local = {n: n.name + "_" if n.name in RESERVED else n.name for n in nodes}
     inputs = [n for n in nodes if n.op in ("placeholder", "get_attr")]
     (out_node,) = [n for n in nodes if n.op == "output"]
     if len(sched.stream_ids) == 1 and not cuda:
@@ -470,46 +103,35 @@ def generate(
         lines, owners = _emit_serial(sched, local, namer, inputs, out_node, threads)
     elif cuda:
         mode = f"cuda, {len(sched.stream_ids)} streams" + (", cuda graph" if cuda_graph else "")
-        from autopar.codegen.cuda import emit_cuda
-
         lines, owners = emit_cuda(sched, plan, local, namer, inputs, out_node, cuda_graph, tag)
     else:
         mode = f"cpu, {len(sched.stream_ids)} streams"
         lines, owners = _emit_cpu(sched, plan, local, namer, inputs, out_node, timeout_s)
-    filename = f"<autopar {tag} {plan.plan_hash} #{next(_counter)}>"
-    header = _header(plan, tag, provenance, sched.notes, mode) + "import torch\n\n"
-    first = header.count("\n") + 1  # line number of lines[0]
+    filename = f"<autopar {tag} {plan.plan_hash} #{next(program_counter)}>"
+    head = provenance_header(plan, tag, provenance, sched.notes, mode) + PROGRAM_IMPORTS
+    first = head.count("\n") + 1  # line number of lines[0]
     node_at_line = {first + i: node_key(tag, o.name) for i, o in enumerate(owners) if o is not None}
-    source = header + "\n".join(lines) + "\n"
+    source = head + "\n".join(lines) + "\n"
     namer.globals.update(_NODE_AT_LINE=node_at_line, _FILENAME=filename)
-    # mtime None: linecache.checkcache never drops it, so tracebacks always show the lines
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namer.globals)
+    load_source(source, filename, namer.globals)
     return Program(
         source, namer.globals["forward"], plan, tag, filename, tuple(sched.notes),
         tuple(sched.stream_ids), node_at_line,
     )  # fmt: skip
 
 
-def _prologue(inputs, local) -> list[str]:
-    """``forward``'s first lines: get_attr values are read from the module at call time."""
-    return [
-        f"    {local[n]} = _gm.{n.target}" for n in inputs if n.op == "get_attr"
-    ]  # fmt: skip
-
-
 def _emit_serial(sched, local, namer, inputs, out_node, threads: int = 0):
     ref = lambda n: local[n]
     params = [local[n] for n in inputs if n.op == "placeholder"]
     stmts = [
-        _Stmt(f"{local[n]} = {_call_expr(n, ref, namer)}", [local[p] for p in n.all_input_nodes],
+        Stmt(f"{local[n]} = {call_expr(n, ref, namer)}", [local[p] for p in n.all_input_nodes],
               local[n], n)
         for n in sched.compute
     ]  # fmt: skip
-    out = _fmt(out_node.args[0], ref, namer)
-    stmts.append(_Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
-    stmts = _with_deletes(stmts, set())
-    lines = [f"def forward({', '.join(params)}):"] + _prologue(inputs, local)
+    out = fmt(out_node.args[0], ref, namer)
+    stmts.append(Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
+    stmts = with_deletes(stmts, set())
+    lines = [f"def forward({', '.join(params)}):"] + prologue(inputs, local)
     owners: list = [None] * len(lines)
     indent = "    "
     if threads > 0:  # the plan's intra-op threads (a no-op when the caller has that many)
@@ -539,7 +161,7 @@ def _emit_cpu(sched, plan, local, namer, inputs, out_node, timeout_s):
     lines: list[str] = []
     owners: list = []
     for sid in sched.stream_ids:
-        stmts = [_Stmt("v, ev, w, a = st.v, st.ev, st.wait, st.args")]
+        stmts = [Stmt("v, ev, w, a = st.v, st.ev, st.wait, st.args")]
         have: set[fx.Node] = set()
 
         def take(p, sid=sid, stmts=stmts, have=have):
@@ -547,33 +169,33 @@ def _emit_cpu(sched, plan, local, namer, inputs, out_node, timeout_s):
                 return
             have.add(p)
             if p in idx:
-                stmts.append(_Stmt(f"{local[p]} = a[{idx[p]}]", (), local[p]))
+                stmts.append(Stmt(f"{local[p]} = a[{idx[p]}]", (), local[p]))
             elif stream[p] != sid:
                 k = slots[(p, sid)]  # this stream is the slot's only reader: it clears it
-                stmts.append(_Stmt(f"{local[p]} = v[{k}];  v[{k}] = None", (), local[p]))
+                stmts.append(Stmt(f"{local[p]} = v[{k}];  v[{k}] = None", (), local[p]))
 
         for n in (n for n in sched.compute if stream[n] == sid):
             for p in sched.waits[n]:
-                stmts.append(_Stmt(f"w({ev_of[p]})  # {p.name} (stream {stream[p]})"))
+                stmts.append(Stmt(f"w({ev_of[p]})  # {p.name} (stream {stream[p]})"))
             for p in n.all_input_nodes:
                 take(p)
-            text = f"{local[n]} = {_call_expr(n, ref, namer)}"
+            text = f"{local[n]} = {call_expr(n, ref, namer)}"
             for d in sched.stream_ids:
                 if (n, d) in slots:
                     text += f";  v[{slots[(n, d)]}] = {local[n]}"
             if n in ev_of:
                 text += f";  ev[{ev_of[n]}].set()"
-            stmts.append(_Stmt(text, [local[p] for p in n.all_input_nodes], local[n], n))
+            stmts.append(Stmt(text, [local[p] for p in n.all_input_nodes], local[n], n))
             have.add(n)
         if sid == main:
-            stmts.append(_Stmt("_rt.st_join(st)  # every worker stream has finished"))
+            stmts.append(Stmt("_rt.st_join(st)  # every worker stream has finished"))
             for p in out_node.all_input_nodes:
                 take(p)
-            out = _fmt(out_node.args[0], ref, namer)
-            stmts.append(_Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
+            out = fmt(out_node.args[0], ref, namer)
+            stmts.append(Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
         lines.append(f"def _stream_{sid}(st):  # stream {sid}: {threads[sid]} intra-op threads")
         owners.append(None)
-        for s in _with_deletes(stmts, set()):
+        for s in with_deletes(stmts, set()):
             lines.append(f"    {s.text}")
             owners.append(s.node)
         lines.append("")
@@ -589,7 +211,7 @@ def _emit_cpu(sched, plan, local, namer, inputs, out_node, timeout_s):
         "",
         "",
         f"def forward({', '.join(params)}):",
-        *_prologue(inputs, local),
+        *prologue(inputs, local),
         f"    st = _rt.CallState({len(slots)}, {len(ev_of)}, ({args}), {float(timeout_s)!r})",
         "    return _rt.run_streams(_SPEC, st)",
     ]

@@ -1,6 +1,6 @@
 """TorchScript executor: a CPU plan's streams as scripted segments run with fork/wait.
 
-``generate_ts(gm, plan, tag)`` returns the same :class:`autopar.codegen.python.Program` as
+``generate_ts(gm, plan, tag)`` returns the same :class:`autopar.codegen.emit.Program` as
 ``codegen.generate``: ``.source`` is exactly what runs, ``.fn(*args)`` returns what
 ``gm(*args)`` returns. Instead of Python worker threads calling aten ops one by one (each
 call holding the GIL for part of its few microseconds), every op runs in the TorchScript
@@ -54,16 +54,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.codegen import python as _cg
+from autopar.capture.backend import node_key
+from autopar.codegen import emit as _cg
+from autopar.codegen.python import generate_python
 from autopar.errors import PlanError
-from autopar.planning.plan import Plan, node_key
+from autopar.planning.plan import Plan
 
 _INFIX = {
     operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
     operator.truediv: "/", operator.mod: "%", operator.eq: "==", operator.ne: "!=",
     operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">=",
 }  # fmt: skip
-_TS_RESERVED = _cg._RESERVED | {"Tensor", "List", "Tuple", "Optional", "math", "forward"}
+_TS_RESERVED = _cg.RESERVED | {"Tensor", "List", "Tuple", "Optional", "math", "forward"}
 FALLBACK_NOTE = "torchscript executor not used: "
 
 
@@ -97,7 +99,7 @@ def _val_type(v: Any) -> str | None:
 
 def _type_of(n: fx.Node, types: dict[fx.Node, str | None]) -> str | None:
     """The TorchScript annotation of ``n``'s value, or None when it has none we can write."""
-    if _cg._is_op(n):
+    if _cg.is_op(n):
         rets = [r.type.annotation_str for r in n.target._schema.returns]
         t = rets[0] if len(rets) == 1 else f"Tuple[{', '.join(rets)}]" if rets else "NoneType"
     elif n.op == "call_function" and n.target is operator.getitem:
@@ -170,7 +172,7 @@ def _call(n: fx.Node, ref) -> str:
         return f"-{_fmt(n.args[0], ref)}"
     t = n.target
     if isinstance(t, torch._ops.OpOverload):
-        for arg, val in _cg._schema_args(n):
+        for arg, val in _cg.schema_args(n):
             if "Generator" in str(arg.type) and val is not None:
                 raise Unsupported(f"{n.name} ({t}) takes a Generator")
         ns, name = t._schema.name.split("::")
@@ -359,7 +361,7 @@ def _same_overload(n: fx.Node, ts_schema: str) -> bool:
     got = torch._C.parse_schema(ts_schema)
     if len(got.arguments) != len(want.arguments) or len(got.returns) != len(want.returns):
         return False
-    by_name = {a.name: v for a, v in _cg._schema_args(n)}
+    by_name = {a.name: v for a, v in _cg.schema_args(n)}
     for a, b in zip(want.arguments, got.arguments, strict=True):
         if str(a.type) == str(b.type):
             continue
@@ -388,7 +390,7 @@ def _check_overloads(emitted: _Emitted, fns: dict[str, Any]) -> None:
     in order."""
     by_local = {emitted.local[n]: n for n in emitted.local}
     for g in emitted.segs:
-        todo = [n for n in g.nodes if _cg._is_op(n)]
+        todo = [n for n in g.nodes if _cg.is_op(n)]
         for tn in torch.jit.script(fns[f"_seg_{g.id}"]).graph.nodes():
             candidates = [n for n in todo if n.target._schema.name == tn.kind()]
             if not candidates:
@@ -413,7 +415,7 @@ def wanted(gm: fx.GraphModule, plan: Plan, tag: str, executor: str) -> bool:
     place, dev = plan.placement, {s.id: s.device for s in plan.streams}
     used = {
         place[k] for n in gm.graph.nodes
-        if n.op in _cg._COMPUTE_OPS and (k := node_key(tag, n.name)) in place
+        if n.op in _cg.COMPUTE_OPS and (k := node_key(tag, n.name)) in place
     }  # fmt: skip
     if any(not dev.get(s, "cpu").startswith("cpu") for s in used):
         return False
@@ -436,11 +438,11 @@ def generate_ts(
         >>> prog = generate_ts(gm, plan, "g0.fw")  # doctest: +SKIP
         >>> prog.notes                             # doctest: +SKIP
     """
-    keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in _cg._COMPUTE_OPS}
+    keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in _cg.COMPUTE_OPS}
     devices = {plan.stream_of(k).device for k in keys & set(plan.placement)}
     if any(not d.startswith("cpu") for d in devices):
         return _fallback(gm, plan, tag, provenance, timeout_s, f"devices {sorted(devices)}")
-    sched = _cg._schedule(gm, plan, tag, False)  # plan errors raise here, as in codegen
+    sched = _cg.schedule(gm, plan, tag, False)  # plan errors raise here, as in codegen
     try:
         return _generate(gm, plan, tag, sched, provenance)
     except Unsupported as exc:
@@ -451,9 +453,7 @@ def generate_ts(
 
 
 def _fallback(gm, plan, tag, provenance, timeout_s, reason: str) -> _cg.Program:
-    prog = _cg.generate(
-        gm, plan, tag, provenance=provenance, timeout_s=timeout_s, executor="python"
-    )
+    prog = generate_python(gm, plan, tag, provenance=provenance, timeout_s=timeout_s)
     prog.notes = (*prog.notes, FALLBACK_NOTE + reason)
     return prog
 
@@ -464,10 +464,10 @@ def _generate(gm, plan: Plan, tag: str, sched, provenance) -> _cg.Program:
             raise Unsupported(f"random op {n.name} has an unused result")
     em = _emit(gm, sched)
     threads = max(s.threads for s in plan.streams if s.id in set(sched.stream.values()))
-    namer = _cg._Namer()
+    namer = _cg.Namer()
     namer.globals["_gm"] = gm
     ref = lambda n: em.local[n]
-    out = _cg._fmt(list(gm.graph.nodes)[-1].args[0], ref, namer)
+    out = _cg.fmt(list(gm.graph.nodes)[-1].args[0], ref, namer)
     leaves = ", ".join(em.local[p] for p in em.leaves)
     args = ", ".join(
         f"_gm.{n.target}" if n.op == "get_attr" else em.local[n] for n in em.inputs
@@ -497,8 +497,8 @@ def _generate(gm, plan: Plan, tag: str, sched, provenance) -> _cg.Program:
         f"cpu torchscript, {len(sched.stream_ids)} streams, {len(em.segs)} segments "
         f"({n_fork} forked)"
     )
-    filename = f"<autopar-ts {tag} {plan.plan_hash} #{next(_cg._counter)}>"
-    header = _cg._header(plan, tag, provenance, sched.notes, mode)
+    filename = f"<autopar-ts {tag} {plan.plan_hash} #{next(_cg.program_counter)}>"
+    header = _cg.provenance_header(plan, tag, provenance, sched.notes, mode)
     header += (
         "import torch\nfrom typing import List, Optional, Tuple\n\nTensor = torch.Tensor\n\n\n"
     )

@@ -352,7 +352,7 @@ def minimal_syncs(graph: nx.DiGraph, placement, order, streams, prep=None) -> tu
 
 
 # -- make_plan ---------------------------------------------------------------------------
-def _default_machine(store=None, device: str = "cpu") -> MachineModel:
+def default_machine(store=None, device: str = "cpu") -> MachineModel:
     """The calibrated model of this machine's ``device``, measured once per process."""
     if device not in _MACHINE_CACHE:
         from autopar.planning.costmodel import calibrate
@@ -426,7 +426,7 @@ def make_plan(
 
         graph = task_graph_from_profile(graph_or_df)
         prov = [("pass:taskgraph", _ms(time.perf_counter() - t0))]
-    machine = machine or _default_machine(store, graph_device(graph))
+    machine = machine or default_machine(store, graph_device(graph))
     parts = _split_graphs(graph)
     if parts is None:
         return _plan_graph(graph, streams, policy, machine, memory_budget, graph_id, prov)

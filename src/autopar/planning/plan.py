@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.capture.backend import node_key  # noqa: F401 - re-exported: plans use these keys
+
 PLAN_FORMAT_VERSION = 1
 
 
@@ -219,7 +221,3 @@ class Plan:
             f"serial={self.serial_time * 1e3:.3f} ms, bound={self.lower_bound * 1e3:.3f} ms)"
         )
 
-
-def node_key(graph_tag: str, node_name: str) -> str:
-    """The plan-wide name of an FX node: ``"<graph_tag>/<node.name>"`` (e.g. ``"g0.fw/addmm"``)."""
-    return f"{graph_tag}/{node_name}"

@@ -15,10 +15,13 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import networkx as nx
 import pandas as pd
 
-from autopar.planning.plan import Plan
+if TYPE_CHECKING:
+    from autopar.planning.plan import Plan
 
 #: Bar colours of the Gantt chart, per phase (matplotlib's tab10 blue / orange).
 PHASE_COLOURS = {"forward": "#1f77b4", "backward": "#ff7f0e"}

@@ -1,7 +1,7 @@
 """Task graphs: the planner's view of a captured graph, as a ``networkx.DiGraph``.
 
 A task graph has one node per profiled FX node, keyed by the plan-wide node key
-(``"<graph_tag>/<node.name>"``, see ``autopar.planning.plan.node_key``), and one edge per data
+(``"<graph_tag>/<node.name>"``, see ``autopar.capture.backend.node_key``), and one edge per data
 dependency (producer -> consumer) carrying the tensor ``bytes`` that flow along it.
 
 Node attributes (all present on every node)::

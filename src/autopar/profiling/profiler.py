@@ -48,8 +48,8 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.capture.backend import node_key
 from autopar.errors import node_source
-from autopar.planning.plan import node_key
 from autopar.profiling.store import ProfileStore
 
 COLUMNS = [

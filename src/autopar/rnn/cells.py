@@ -31,16 +31,9 @@ version's gate buffer and keeps the op schemas exactly ``(h, c_new)`` / ``h_new`
 
 from __future__ import annotations
 
-import contextlib
-import os
-import types
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from autopar.errors import CaptureError
 
 __all__ = [
     "lstm_cell",
@@ -48,7 +41,6 @@ __all__ = [
     "fused_lstm_layer",
     "unrolled_lstm_layer",
     "mkldnn_lstm_usable",
-    "rewrite_rnns",
     "RNN_MODULE_TYPES",
     "RNN_FORMS",
 ]
@@ -404,6 +396,79 @@ def _gru_cell_module_forward(self: nn.GRUCell, input: Tensor, hx=None):
     return h if batched else h.squeeze(0)
 
 
+# --------------------------------------------------------------------------- the oneDNN op
+
+
+def _aten_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train):
+    return torch.ops.aten.mkldnn_rnn_layer(
+        x,
+        w_ih,
+        w_hh,
+        b_ih,
+        b_hh,
+        h0,
+        c0,
+        reverse,
+        [],
+        2,
+        w_hh.size(1),
+        1,
+        has_biases,
+        False,
+        False,
+        train,
+    )  # fmt: skip (mode 2: LSTM; one layer, one direction, time-major)
+
+
+# AOTAutograd runs a compiled forward under no_grad, where aten.mkldnn_rnn_layer returns no
+# workspace (None) even with train=True, and the saved None then fails the backward. This
+# wrapper op runs it with grad mode on (its body runs below autograd: nothing is recorded)
+# and its backward is exactly aten.mkldnn_rnn_layer_backward (the node the bw graph holds).
+@torch.library.custom_op("autopar::mkldnn_rnn_layer", mutates_args=())
+def _mkldnn_rnn_layer_op(
+    x: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor,
+    b_hh: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    reverse: bool,
+    has_biases: bool,
+    train: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``aten.mkldnn_rnn_layer`` for one LSTM layer and direction (see fused_lstm_layer)."""
+    with torch.enable_grad():
+        out = _aten_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train)
+    # Fresh outputs (custom ops may not alias); an empty workspace when not training.
+    return tuple(t if t is not None else x.new_empty(0) for t in out)
+
+
+@_mkldnn_rnn_layer_op.register_fake
+def _(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train):
+    return _aten_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train)
+
+
+def _mkldnn_setup_context(ctx, inputs, output) -> None:
+    ctx.flags = inputs[7:]
+    ctx.save_for_backward(*inputs[:7], *output)
+
+
+def _mkldnn_backward(ctx, g_out, g_hy, g_cy, _g_ws):
+    x, w_ih, w_hh, b_ih, b_hh, h0, c0, out, hy, cy, ws = ctx.saved_tensors
+    reverse, has_biases, train = ctx.flags
+    grads = [None if g is None else g.contiguous() for g in (g_out, g_hy, g_cy)]
+    res = torch.ops.aten.mkldnn_rnn_layer_backward(
+        x, w_ih, w_hh, b_ih, b_hh, h0, c0, out, hy, cy, *grads, reverse, 2, w_hh.size(1), 1,
+        has_biases, train, False, [], False, ws,
+    )  # fmt: skip
+    need = ctx.needs_input_grad
+    return (*(g if need[i] else None for i, g in enumerate(res)), None, None, None)
+
+
+_mkldnn_rnn_layer_op.register_autograd(_mkldnn_backward, setup_context=_mkldnn_setup_context)
+
+
 # --------------------------------------------------------------------------- fused LSTM layer
 
 _HAS_MKLDNN = bool(torch.backends.mkldnn.is_available())
@@ -481,97 +546,3 @@ def fused_lstm_layer(
     # graphs traced by any route (Dynamo, or make_fx of an FX graph calling this) work.
     out, hy, cy, _ = torch.ops.autopar.mkldnn_rnn_layer(*args, reverse, has_biases, train)
     return out, hy, cy
-
-
-# --------------------------------------------------------------------------- the rewrite
-
-
-def _replacement(module: nn.Module):
-    # nn.LSTM / nn.GRU forms live in autopar.rnn.layers (which imports this module).
-    from autopar.rnn.layers import gru_module_forward, lstm_module_forward
-
-    forwards = (
-        (nn.LSTMCell, _lstm_cell_module_forward),
-        (nn.GRUCell, _gru_cell_module_forward),
-        (nn.LSTM, lstm_module_forward),
-        (nn.GRU, gru_module_forward),
-    )
-    for kind, fn in forwards:
-        if isinstance(module, kind):
-            return fn
-    return None
-
-
-@contextlib.contextmanager
-def rewrite_rnns(model: nn.Module, *, rnn_form: str | None = None) -> Iterator[list[str]]:
-    """Route every LSTM/GRU (cell) submodule of ``model`` through autopar's custom-op form.
-
-    While active, each ``nn.LSTMCell``, ``nn.GRUCell``, ``nn.LSTM`` and ``nn.GRU`` in
-    ``model`` (``model`` itself included) runs an equivalent forward built from
-    ``F.linear`` GEMMs and the ``autopar::lstm_cell`` / ``autopar::gru_cell`` custom ops,
-    reading the module's own Parameters (no copies: ``state_dict()``, ``parameters()`` and
-    the user's optimizer are untouched). On exit the modules are exactly as before.
-    Yields the qualified names of the rewritten modules.
-
-    ``nn.LSTM`` and ``nn.GRU`` run in one of :data:`RNN_FORMS` (``autopar.rnn.layers``):
-    ``"unrolled"`` (per-step cell ops), ``"fused"`` (one :func:`fused_lstm_layer` or
-    ``fused_gru_layer`` per layer and direction) or ``"chunked"`` (fused calls over k time
-    chunks, a layer x time wavefront). By default each module's form is chosen from
-    measurements at its first call per input shape; ``rnn_form=`` (or env
-    ``AUTOPAR_RNN_FORM``; ``"chunked:4"`` fixes k) forces one.
-    The fused GRU layer is :mod:`autopar.rnn.gru` (oneDNN has no CPU GRU layer in ATen).
-
-    Mechanism: an instance attribute ``forward`` (a bound method of the module) shadows
-    the class's ``forward`` and is deleted on exit. Dynamo guards on the underlying
-    function and module, so re-entering the context does not recompile.
-
-    Example::
-
-        model = nn.Sequential(nn.LSTM(8, 16, num_layers=2))
-        with rewrite_rnns(model) as names:          # names == ["0"]
-            out, (h, c) = model(torch.randn(5, 3, 8))
-            out.sum().backward()                    # grads land in model's Parameters
-    """
-    if not isinstance(model, nn.Module):
-        raise CaptureError(
-            f"autopar.rnn.cells.rewrite_rnns expects an nn.Module, got {type(model).__name__}."
-        )
-    from autopar.rnn import layers as rnn_layers
-
-    form = rnn_form if rnn_form is not None else os.environ.get("AUTOPAR_RNN_FORM") or None
-    if form is not None:
-        rnn_layers.parse_form(form)  # a clear error for a bad name, before anything runs
-    patched: list[tuple[str, nn.Module]] = []
-    saved_form = rnn_layers.form_override
-    if form is not None:  # else keep an enclosing context's override
-        rnn_layers.form_override = form
-    # Dynamo refuses to trace nn.LSTM/GRU/RNN modules unless allow_rnn is set (their eager
-    # forward calls _VF.lstm, which AOTAutograd cannot handle); the rewritten forward is
-    # plain traceable Python, so allow it while the rewrite is active.
-    with torch._dynamo.config.patch(allow_rnn=True):
-        try:
-            for name, module in model.named_modules():
-                fn = _replacement(module)
-                if fn is None:
-                    continue
-                current = module.__dict__.get("forward")
-                if getattr(current, "__func__", None) is fn:
-                    continue  # an enclosing rewrite_rnns routes it already and will restore it
-                if current is not None:
-                    raise CaptureError(
-                        f"autopar: module {name or type(module).__name__!r} "
-                        f"({type(module).__name__}) has an instance attribute 'forward' (a "
-                        "user patch); autopar will not override it. Remove the patch, or keep "
-                        'RNNs eager with autopar.compile(..., rnn="eager").'
-                    )
-                module.forward = types.MethodType(fn, module)
-                patched.append((name, module))
-            yield [name for name, _ in patched]
-        finally:
-            rnn_layers.form_override = saved_form
-            for _, module in patched:
-                module.__dict__.pop("forward", None)
-
-
-# Registers autopar::mkldnn_rnn_layer (fused_lstm_layer's op); at the end: it imports us.
-from autopar.rnn import layers as _rnn_layers  # noqa: E402, F401

@@ -32,6 +32,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from autopar.rnn.cells import fused_lstm_layer
+from autopar.rnn.forms import _run_rnn
+from autopar.rnn.gru import fused_gru_layer
+
 __all__ = ["RNNSpec", "choose_rnn_form", "measure_rnn_forms", "predict_rnn_form"]
 
 CHUNK_CANDIDATES = (2, 4)  # k the chooser tries
@@ -192,10 +196,6 @@ def measure_rnn_forms(spec: RNNSpec) -> dict:
 
 
 def _measure(spec: RNNSpec) -> dict:
-    # the layer ops; rnn_layers (the unrolled form) imports this module, so import late
-    from autopar.rnn.cells import fused_lstm_layer
-    from autopar.rnn.gru import fused_gru_layer
-    from autopar.rnn.layers import _run_rnn
     from autopar.runtime.streams import intra_op_threads
 
     dtype = getattr(torch, spec.dtype)

@@ -49,20 +49,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 
-from autopar.errors import CaptureError
-from autopar.rnn.cells import (
-    RNN_FORMS,
-    _gru_pointwise,
-    _lstm_pointwise,
-    fused_lstm_layer,
-    mkldnn_lstm_usable,
-)
+from autopar.rnn.cells import RNN_FORMS, mkldnn_lstm_usable
 from autopar.rnn.choice import RNNSpec, _name, choose_rnn_form, measure_rnn_forms
-from autopar.rnn.gru import fused_gru_layer, gru_layer_usable
+from autopar.rnn.forms import _reject_packed, _run_fused, _run_rnn
+from autopar.rnn.gru import gru_layer_usable
 
 __all__ = [
     "clear_choices",
@@ -95,79 +87,6 @@ def parse_form(form: str) -> tuple[str, int]:
 def clear_choices() -> None:
     """Forget every measured choice (the next call of each shape measures again)."""
     _CHOICES.clear()
-
-
-# --------------------------------------------------------------------------- the oneDNN op
-
-
-def _aten_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train):
-    return torch.ops.aten.mkldnn_rnn_layer(
-        x,
-        w_ih,
-        w_hh,
-        b_ih,
-        b_hh,
-        h0,
-        c0,
-        reverse,
-        [],
-        2,
-        w_hh.size(1),
-        1,
-        has_biases,
-        False,
-        False,
-        train,
-    )  # fmt: skip (mode 2: LSTM; one layer, one direction, time-major)
-
-
-# AOTAutograd runs a compiled forward under no_grad, where aten.mkldnn_rnn_layer returns no
-# workspace (None) even with train=True, and the saved None then fails the backward. This
-# wrapper op runs it with grad mode on (its body runs below autograd: nothing is recorded)
-# and its backward is exactly aten.mkldnn_rnn_layer_backward (the node the bw graph holds).
-@torch.library.custom_op("autopar::mkldnn_rnn_layer", mutates_args=())
-def _mkldnn_rnn_layer_op(
-    x: Tensor,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor,
-    b_hh: Tensor,
-    h0: Tensor,
-    c0: Tensor,
-    reverse: bool,
-    has_biases: bool,
-    train: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``aten.mkldnn_rnn_layer`` for one LSTM layer and direction (see fused_lstm_layer)."""
-    with torch.enable_grad():
-        out = _aten_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train)
-    # Fresh outputs (custom ops may not alias); an empty workspace when not training.
-    return tuple(t if t is not None else x.new_empty(0) for t in out)
-
-
-@_mkldnn_rnn_layer_op.register_fake
-def _(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train):
-    return _aten_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, has_biases, train)
-
-
-def _mkldnn_setup_context(ctx, inputs, output) -> None:
-    ctx.flags = inputs[7:]
-    ctx.save_for_backward(*inputs[:7], *output)
-
-
-def _mkldnn_backward(ctx, g_out, g_hy, g_cy, _g_ws):
-    x, w_ih, w_hh, b_ih, b_hh, h0, c0, out, hy, cy, ws = ctx.saved_tensors
-    reverse, has_biases, train = ctx.flags
-    grads = [None if g is None else g.contiguous() for g in (g_out, g_hy, g_cy)]
-    res = torch.ops.aten.mkldnn_rnn_layer_backward(
-        x, w_ih, w_hh, b_ih, b_hh, h0, c0, out, hy, cy, *grads, reverse, 2, w_hh.size(1), 1,
-        has_biases, train, False, [], False, ws,
-    )  # fmt: skip
-    need = ctx.needs_input_grad
-    return (*(g if need[i] else None for i, g in enumerate(res)), None, None, None)
-
-
-_mkldnn_rnn_layer_op.register_autograd(_mkldnn_backward, setup_context=_mkldnn_setup_context)
 
 
 # --------------------------------------------------------------------------- the choice
@@ -212,118 +131,6 @@ def _rnn_form(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None) -> tup
         "lstm" if c0 is not None else "gru",
     )
     return _chosen_form(key, form_override)
-
-
-# --------------------------------------------------------------------------- fused forms
-
-
-def _run_fused(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None, chunks: int):
-    """Fused (``chunks == 1``) or chunked form; ``x`` is time-major [T, B, I].
-
-    ``c0 is None`` means GRU. Returns (output [T, B, D*H], h_n, c_n or None)."""
-    num_dirs = 2 if self.bidirectional else 1
-    train = torch.is_grad_enabled()
-    layer_in = list(x.contiguous().chunk(chunks)) if chunks > 1 else [x]
-    n = len(layer_in)
-    h_last, c_last = [], []
-    for layer in range(self.num_layers):
-        outs: list[list] = [[None] * n for _ in range(num_dirs)]
-        for d in range(num_dirs):
-            w_ih, w_hh, b_ih, b_hh, _ = _layer_params(self, layer, d)
-            h = h0[layer * num_dirs + d]
-            c = None if c0 is None else c0[layer * num_dirs + d]
-            for j in range(n - 1, -1, -1) if d else range(n):
-                if c is None:
-                    outs[d][j], h = fused_gru_layer(
-                        layer_in[j], w_ih, w_hh, b_ih, b_hh, h, reverse=bool(d)
-                    )
-                else:
-                    outs[d][j], h, c = fused_lstm_layer(
-                        layer_in[j], w_ih, w_hh, b_ih, b_hh, h, c, reverse=bool(d), train=train
-                    )
-            h_last.append(h)
-            c_last.append(c)
-        layer_in = [o[0] if num_dirs == 1 else torch.cat(o, dim=2) for o in zip(*outs, strict=True)]
-        if self.dropout and self.training and layer < self.num_layers - 1:
-            # One F.dropout on the whole layer output, as ATen's loop: same RNG use.
-            full = layer_in[0] if n == 1 else torch.cat(layer_in)
-            full = F.dropout(full, self.dropout, True)
-            layer_in = list(full.split([t.size(0) for t in layer_in])) if n > 1 else [full]
-    out = layer_in[0] if n == 1 else torch.cat(layer_in)
-    return out, torch.stack(h_last), None if c0 is None else torch.stack(c_last)
-
-
-# --------------------------------------------------------------------------- unrolled form
-
-
-def _reject_packed(kind: str, input) -> None:
-    if isinstance(input, PackedSequence):
-        raise CaptureError(
-            f"autopar: nn.{kind} got a PackedSequence, which autopar's RNN rewrite does not "
-            "support (its time steps have varying batch sizes). Fix: pass a padded tensor "
-            "(torch.nn.utils.rnn.pad_packed_sequence) and mask by lengths, or keep this module "
-            'eager with autopar.compile(..., rnn="eager").'
-        )
-
-
-def _layer_params(self: nn.RNNBase, layer: int, direction: int):
-    """The SAME Parameter objects nn.LSTM/nn.GRU use: (w_ih, w_hh, b_ih, b_hh, w_hr)."""
-    sfx = f"_l{layer}" + ("_reverse" if direction else "")
-    w_ih = getattr(self, "weight_ih" + sfx)
-    w_hh = getattr(self, "weight_hh" + sfx)
-    b_ih = getattr(self, "bias_ih" + sfx) if self.bias else None
-    b_hh = getattr(self, "bias_hh" + sfx) if self.bias else None
-    w_hr = getattr(self, "weight_hr" + sfx) if getattr(self, "proj_size", 0) > 0 else None
-    return w_ih, w_hh, b_ih, b_hh, w_hr
-
-
-def _run_rnn(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None, batch_major: bool):
-    """Multi-layer (bi)directional recurrence; ``c0 is None`` means GRU.
-
-    ``x`` is [T, B, I] (or [B, T, I] if ``batch_major``; only the first layer reads it).
-    Returns (time-major output [T, B, D*H_out], h_n, c_n or None).
-    Each direction's input projection over all timesteps is ONE GEMM on [T*B, I];
-    the recurrence is unrolled: one hgates GEMM + one pointwise custom op per step.
-    """
-    num_dirs = 2 if self.bidirectional else 1
-    steps = x.size(1) if batch_major else x.size(0)
-    layer_in = x
-    h_last, c_last = [], []
-    for layer in range(self.num_layers):
-        outs = []
-        for d in range(num_dirs):
-            w_ih, w_hh, b_ih, b_hh, w_hr = _layer_params(self, layer, d)
-            flat = layer_in.reshape(-1, layer_in.size(-1))
-            ig_all = F.linear(flat, w_ih, b_ih).view(layer_in.size(0), layer_in.size(1), -1)
-            # unbind, not ig_all[t]: its backward is ONE stack, while T selects would each
-            # scatter into a zero tensor of the full [T, B, 4H] size (O(T^2) traffic).
-            ig_steps = ig_all.unbind(1 if batch_major and layer == 0 else 0)
-            h = h0[layer * num_dirs + d]
-            c = c0[layer * num_dirs + d] if c0 is not None else None
-            out: list = [None] * steps
-            order = range(steps - 1, -1, -1) if d else range(steps)
-            for t in order:
-                igates = ig_steps[t]
-                hgates = F.linear(h, w_hh, b_hh)
-                if c is None:
-                    h = _gru_pointwise(igates, hgates, h)
-                else:
-                    h, c = _lstm_pointwise(igates, hgates, c)
-                    if w_hr is not None:
-                        h = F.linear(h, w_hr)
-                out[t] = h
-            outs.append(torch.stack(out))
-            h_last.append(h)
-            c_last.append(c)
-        layer_out = outs[0] if num_dirs == 1 else torch.cat(outs, dim=2)
-        if self.dropout and self.training and layer < self.num_layers - 1:
-            # Same call, order and (contiguous, time-major) layout as ATen's RNN loop, so
-            # the dropout masks consume the global RNG exactly like eager nn.LSTM/nn.GRU.
-            layer_out = F.dropout(layer_out, self.dropout, True)
-        layer_in = layer_out
-    h_n = torch.stack(h_last)
-    c_n = torch.stack(c_last) if c0 is not None else None
-    return layer_in, h_n, c_n
 
 
 def _run_form(self: nn.RNNBase, input: Tensor, h0: Tensor, c0: Tensor | None):

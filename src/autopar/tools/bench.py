@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.tools import zoo
-from autopar.tools.cli import positive_int
+from autopar.tools.args import positive_int
 
 
 # -- the models ------------------------------------------------------------------------------

@@ -41,17 +41,6 @@ def _load_factory(spec: str):
     return model
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer, with a message that says what was wrong."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def _shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in text.split(","))

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.tools.cli import positive_int
+from autopar.tools.args import positive_int
 
 VOCAB = 128  # ASCII; other characters become "?"
 
