@@ -95,9 +95,10 @@ class Pipeline:
         except Exception:
             _write_debug(record, debug_dir)  # the graph, for a bug report
             raise  # nothing ran for real yet: LazyGraph falls back to the captured graph
-        record.timings.update(profile=time.perf_counter() - t0)
+        record.advance("profile", time.perf_counter() - t0, table=table)
         try:
-            record.table = table = self.monitor.prepared(record, table)
+            table = self.monitor.prepared(record, table)
+            record.advance("monitor", table=table)
             plan, program = self.plan_and_generate(record, table)
             plan, program = self.confirm_by_measurement(record, table, args, plan, program)
         except Exception as exc:  # noqa: BLE001
@@ -105,7 +106,7 @@ class Pipeline:
             # done): return its outputs and run the captured graph from now on. Running it
             # again here would apply those side effects twice.
             _write_debug(record, debug_dir)
-            record.fallback = f"{type(exc).__name__}: {exc}"
+            record.advance("fallback", fallback=f"{type(exc).__name__}: {exc}")
             warn_fallback(
                 f"could not plan graph {record.tag} ({record.fallback})",
                 getattr(exc, "node", None),
@@ -113,7 +114,7 @@ class Pipeline:
             )
             fn = record.gm.forward
             return out, (lambda a: fn(*a))
-        record.plan, record.program = plan, program
+        record.advance("choose", plan=plan, program=program, executor="plan")
         self.monitor.compiled(record, time.perf_counter() - t0)
         _write_debug(record, debug_dir)
         fn = program.fn
@@ -186,7 +187,8 @@ class Pipeline:
             record.tag,
             provenance=self._provenance(),
         )
-        record.timings.update(plan=t2 - t1, codegen=time.perf_counter() - t2)
+        record.advance("plan", t2 - t1, plan.policy)
+        record.advance("codegen", time.perf_counter() - t2)
         return plan, program
 
 

@@ -158,7 +158,7 @@ class Monitor:
             if record.runner is None:  # evicted meanwhile: the next call prepares afresh
                 return
             old = record.plan
-            record.table, record.plan, record.program = table, plan, program
+            record.advance("replan", note=event, table=table, plan=plan, program=program)
             fn = program.fn
             record.runner = lambda a: fn(*a)
             old_pred = old.predicted_step_time if old is not None else float("nan")
@@ -395,7 +395,7 @@ class Monitor:
             if record.group in groups and record.runner is not None:
                 with record.lock:
                     record.runner = None
-                    record.table = record.plan = record.program = None
+                    record.advance("evict", table=None, plan=None, program=None)
                 self._states.pop(id(record), None)
                 tags.append(record.tag)
         return tags

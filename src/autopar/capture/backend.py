@@ -22,6 +22,7 @@ the user's source line. Results are never silently wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -58,29 +59,95 @@ def node_key(graph_tag: str, node_name: str) -> str:
 GraphPass = Callable[[fx.GraphModule], int]
 
 
-@dataclass
-class GraphRecord:
-    """One captured aten graph and what the later stages made of it."""
+@dataclass(frozen=True)
+class Provenance:
+    """One stage's stamp on a unit: what it did and how long it took."""
+
+    stage: str  # "capture", "profile", "plan", "codegen", "measure", "tier", ...
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class GraphUnit:
+    """One captured aten graph and what the stages made of it: the object that flows
+    capture -> profiling -> planning -> codegen. Frozen: each stage returns
+    ``unit.replace(stage, seconds, note, field=value)``, which adds a provenance entry.
+
+    Example::
+
+        >>> u = GraphUnit("g0.fw", "forward", gm)                       # doctest: +SKIP
+        >>> u = u.replace("profile", 0.2, table=table)                  # doctest: +SKIP
+        >>> [p.stage for p in u.provenance], u.timings                  # doctest: +SKIP
+        (['profile'], {'profile': 0.2})
+    """
 
     tag: str  # "g0.fw", "g0.bw", ...
     phase: str  # "forward" | "backward"
-    gm: fx.GraphModule
-    capture_s: float = 0.0  # time spent tracing up to this graph (AOTAutograd included)
-    table: Any = None  # profile DataFrame
-    plan: Any = None  # autopar.planning.plan.Plan
-    program: Any = None  # autopar.codegen.emit.Program
-    fallback: str | None = None  # why this graph runs as captured, if it does
-    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    gm: fx.GraphModule = field(repr=False)
     group: int = 0  # k of the Dynamo graph it came from (g<k>.fw and g<k>.bw share it)
-    # What runs the graph from its second call on (None: the next call prepares it).
-    # ``lock`` guards swapping it: a swap happens between calls, never during one.
-    runner: Callable[[list], Any] | None = field(default=None, repr=False)
-    lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
-    calls: int = 0  # real calls so far (the preparing call included)
+    capture_s: float = 0.0  # time spent tracing up to this graph (AOTAutograd included)
+    table: Any = field(default=None, repr=False)  # profile DataFrame
+    plan: Any = field(default=None, repr=False)  # autopar.planning.plan.Plan
+    program: Any = field(default=None, repr=False)  # what runs: autopar.codegen.emit.Program
+    executor: str = "captured"  # the name of what runs it (see autopar.codegen.executors)
+    fallback: str | None = None  # why this graph runs as captured, if it does
+    provenance: tuple[Provenance, ...] = ()
+
+    def replace(self, stage: str, seconds: float = 0.0, note: str = "", **changes) -> GraphUnit:
+        """A copy with ``changes`` applied and ``Provenance(stage, seconds, note)`` added."""
+        stamp = Provenance(stage, seconds, note)
+        return dataclasses.replace(self, provenance=(*self.provenance, stamp), **changes)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per stage (summed when a stage ran more than once)."""
+        out: dict[str, float] = {}
+        for p in self.provenance:
+            out[p.stage] = out.get(p.stage, 0.0) + p.seconds
+        return out
 
     @property
     def num_nodes(self) -> int:
         return len(self.gm.graph.nodes)
+
+
+class GraphRecord:
+    """The run-time state of one captured graph: its current :class:`GraphUnit`, what runs it
+    from its second call on (``runner``; None: the next call prepares it), the lock that
+    guards swapping it (a swap happens between calls, never during one) and a call count.
+
+    The unit's fields read through (``record.plan`` is ``record.unit.plan``); stages change
+    them only with :meth:`advance`, which replaces the frozen unit."""
+
+    def __init__(self, unit: GraphUnit):
+        self.unit = unit
+        self.runner: Callable[[list], Any] | None = None
+        self.lock = threading.RLock()
+        self.calls = 0  # real calls so far (the preparing call included)
+
+    def advance(self, stage: str, seconds: float = 0.0, note: str = "", **changes) -> GraphUnit:
+        """``self.unit = self.unit.replace(...)``; returns the new unit. Thread-safe (the
+        adaptive re-planner stamps units from a background thread)."""
+        with self.lock:
+            self.unit = self.unit.replace(stage, seconds, note, **changes)
+            return self.unit
+
+    tag = property(lambda self: self.unit.tag)
+    phase = property(lambda self: self.unit.phase)
+    gm = property(lambda self: self.unit.gm)
+    group = property(lambda self: self.unit.group)
+    capture_s = property(lambda self: self.unit.capture_s)
+    table = property(lambda self: self.unit.table)
+    plan = property(lambda self: self.unit.plan)
+    program = property(lambda self: self.unit.program)
+    executor = property(lambda self: self.unit.executor)
+    fallback = property(lambda self: self.unit.fallback)
+    timings = property(lambda self: self.unit.timings)
+    num_nodes = property(lambda self: self.unit.num_nodes)
+
+    def __repr__(self) -> str:
+        return f"GraphRecord({self.unit!r}, calls={self.calls})"
 
 
 def run_serially(record: GraphRecord, args: list) -> tuple[Any, Callable[[list], Any]]:
@@ -124,7 +191,7 @@ class LazyGraph:
             try:
                 out, runner = self._prepare(record, args)
             except Exception as exc:  # noqa: BLE001 - any failure falls back, never wrong results
-                record.fallback = f"{type(exc).__name__}: {exc}"
+                record.advance("fallback", fallback=f"{type(exc).__name__}: {exc}")
                 node = getattr(exc, "node", None)
                 warn_fallback(
                     f"could not plan graph {record.tag} ({type(exc).__name__}: {exc})",
@@ -162,7 +229,8 @@ class Capture:
             for node in gm.graph.nodes:
                 node.meta["autopar.key"] = node_key(tag, node.name)
                 node.meta["autopar.phase"] = phase
-            record = GraphRecord(tag, phase, gm, capture_s=time.perf_counter() - t0, group=group)
+            unit = GraphUnit(tag, phase, gm, group, capture_s=time.perf_counter() - t0)
+            record = GraphRecord(unit)
             with self._lock:
                 self.records.append(record)
             return LazyGraph(record, self.prepare, self.on_call)
@@ -217,6 +285,8 @@ __all__ = [
     "FallbackWarning",
     "GraphPass",
     "GraphRecord",
+    "GraphUnit",
+    "Provenance",
     "LazyGraph",
     "OnCall",
     "node_key",

@@ -253,7 +253,8 @@ class Step:
         pipeline = getattr(self._fwd, "_autopar_pipeline", None) if self._runner else None
         for rec in getattr(pipeline, "records", []) if pipeline else []:
             if rec.plan is not None and not any("distributed:" in n for n in rec.plan.notes):
-                rec.plan = rec.plan.replace(notes=rec.plan.notes + self.plan.notes())
+                plan = rec.plan.replace(notes=rec.plan.notes + self.plan.notes())
+                rec.advance("step plan", plan=plan)
 
     # -- one process ---------------------------------------------------------------------
     def _prepare_local(self) -> None:
