@@ -178,3 +178,13 @@ def test_idle_omp_team_is_released_before_worker_streams(monkeypatch):
     monkeypatch.setattr(rt, "release_idle_omp_team", lambda: calls.append(1) or True)
     assert _docstring_example() == 42
     assert calls == [1]
+
+
+def test_programs_never_exceed_the_callers_thread_count():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with rt.intra_op_threads(2):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

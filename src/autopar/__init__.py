@@ -14,7 +14,15 @@ A package per stage, imports flowing one way (docs/architecture.md)::
 """
 
 from autopar.adapt.monitor import AdaptOptions, stats
-from autopar.api import CompiledModule, CompileOptions, compile, explain, plan, profile
+from autopar.api import (
+    CompiledModule,
+    CompileOptions,
+    compile,
+    explain,
+    graphs,
+    plan,
+    profile,
+)
 from autopar.parallel.step import compile_step
 from autopar.planning.plan import Plan, Stream, Sync
 
@@ -31,6 +39,7 @@ __all__ = [
     "compile",
     "compile_step",
     "explain",
+    "graphs",
     "plan",
     "profile",
     "stats",

@@ -150,6 +150,22 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     return CompiledModule(model, options)
 
 
+def graphs(cmodel: CompiledModule) -> list:
+    """The captured graphs of a compiled model, in capture order: one frozen
+    :class:`autopar.capture.backend.GraphUnit` each (tag, FX graph, profile table, plan,
+    program, executor, provenance). A snapshot: later re-plans make new units.
+
+    Example::
+
+        cmodel(x).sum().backward()
+        for u in autopar.graphs(cmodel):
+            print(u.tag, u.executor, u.plan.policy if u.plan else u.fallback, u.timings)
+    """
+    if not isinstance(cmodel, CompiledModule):
+        raise TypeError(f"graphs() expects the result of autopar.compile, got {type(cmodel)}")
+    return [r.unit for r in cmodel._autopar_pipeline.records]
+
+
 def explain(cmodel: CompiledModule) -> str:
     """The exact source of the program(s) that run, one per captured graph.
 

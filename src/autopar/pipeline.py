@@ -126,36 +126,34 @@ class Pipeline:
 
         The simulator's overheads for concurrent Python streams (GIL, wake-ups) are
         calibrated on microbenchmarks and can be off for a given graph; a few runs of both
-        programs at the first call settle it. Graphs that mutate their inputs or draw
-        random numbers are not re-run (their side effects would repeat): the plan stands.
-        Each candidate runs once to warm up, then ``MEASURE_ROUNDS`` interleaved times;
-        the best time of each counts (noise only ever adds time). A multi-stream program
-        must win by ``MEASURE_MARGIN`` to be kept.
+        programs at the first call settle it. Graphs that write their inputs (BatchNorm
+        statistics) or draw random numbers are measured too: ``SideEffectGuard`` restores
+        the written inputs and the generators after every timed run, so training is
+        unchanged (``autopar.runtime.measure``). A multi-stream program must win by
+        ``MEASURE_MARGIN`` to be kept. The times go into the plan's notes.
         """
-        from autopar.codegen.emit import has_side_effects
         from autopar.codegen.executors import generate
         from autopar.planning.partition import make_plan
+        from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
 
-        if len(getattr(program, "streams_used", ())) <= 1 or has_side_effects(record.gm):
+        if len(getattr(program, "streams_used", ())) <= 1:
             return plan, program
+        t0 = time.perf_counter()
         serial = make_plan(
             table, policy="serial", memory_budget=self.options.memory_budget,
             graph_id=record.tag, store=self.store,
         )  # fmt: skip
         serial_prog = generate(record.gm, serial, record.tag, provenance=self._provenance())
-        best = {"plan": float("inf"), "serial": float("inf")}
         fns = {"plan": program.fn, "serial": serial_prog.fn}
-        for fn in fns.values():
-            fn(*args)
-        for _ in range(MEASURE_ROUNDS):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn(*args)
-                best[name] = min(best[name], time.perf_counter() - t0)
+        guard = SideEffectGuard(args, written_inputs(record.gm))
+        best = time_candidates({k: (lambda a, f=f: f(*a)) for k, f in fns.items()}, args, guard)
+        best.setdefault("plan", float("inf"))
+        best.setdefault("serial", float("inf"))
         verdict = (
             f"measured at first call: {plan.policy} on {len(program.streams_used)} streams "
             f"{best['plan'] * 1e3:.3f} ms vs serial {best['serial'] * 1e3:.3f} ms"
         )
+        record.advance("measure", time.perf_counter() - t0, verdict)
         if best["plan"] < MEASURE_MARGIN * best["serial"]:
             return plan.replace(notes=plan.notes + (verdict + ": kept the plan",)), program
         serial = serial.replace(notes=serial.notes + (verdict + ": kept serial",))

@@ -165,16 +165,20 @@ def set_thread_local_threads(k: int) -> None:
 def intra_op_threads(k: int):
     """Run a block with ``k`` intra-op threads on the calling thread, then restore.
 
+    Never more than the caller has: a user who called ``torch.set_num_threads(1)`` keeps
+    1 thread whatever the plan says (``k`` is capped at ``torch.get_num_threads()``).
+
     Example::
 
         >>> with intra_op_threads(1):
         ...     torch.get_num_threads()
         1
     """
-    if k <= 0 or torch.get_num_threads() == k:
+    before = torch.get_num_threads()
+    k = min(k, before)
+    if k <= 0 or before == k:
         yield
         return
-    before = torch.get_num_threads()
     set_thread_local_threads(k)
     try:
         yield
@@ -261,9 +265,10 @@ class WorkerPool:
     def submit(self, spec: StreamSpec, st: CallState) -> None:
         self.ensure(len(spec.workers))
         st._n_workers = len(spec.workers)
+        cap = torch.get_num_threads()  # the caller's count: a stream never gets more
         for i, (fn, threads) in enumerate(spec.workers):
             stream = spec.stream_ids[i + 1] if spec.stream_ids else i + 1
-            self.queues[i].put((fn, threads, st, stream))
+            self.queues[i].put((fn, min(threads, cap), st, stream))
 
 
 def _worker_loop(q: queue.SimpleQueue) -> None:
