@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from autopar.errors import PlanError
 from autopar.planning.plan import Plan
 from autopar.tools.cli import build_parser, main
 
@@ -102,10 +103,24 @@ def test_bad_input_shape_is_a_clear_error(shape, expected, capsys):
     assert "--input-shape" in err and expected in err
 
 
-def test_missing_input_shape_is_a_clear_error(tmp_path):
+def _usage_error(capsys, argv) -> str:
+    """Run a command that must fail as a usage error: exit 2, at most two lines on stderr
+    (what was wrong, where to look), no traceback. Returns stderr."""
     with pytest.raises(SystemExit) as exc:
-        main(["profile", "autopar.tools.zoo:mlp", "--out", str(tmp_path / "p.json")])
-    assert "--input-shape" in str(exc.value.code)
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert 1 <= len(lines) <= 2, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_missing_input_shape_is_a_clear_error(tmp_path, capsys):
+    err = _usage_error(
+        capsys, ["profile", "autopar.tools.zoo:mlp", "--out", str(tmp_path / "p.json")]
+    )
+    assert "--input-shape" in err
 
 
 @pytest.mark.parametrize(
@@ -117,14 +132,116 @@ def test_missing_input_shape_is_a_clear_error(tmp_path):
         ("autopar.tools.zoo:MODELS", "has no callable 'MODELS'"),
     ],
 )
-def test_bad_model_spec_is_a_clear_error(spec, expected, tmp_path):
+def test_bad_model_spec_is_a_clear_error(spec, expected, tmp_path, capsys):
+    argv = ["profile", spec, "--input-shape", "16,32", "--out", str(tmp_path / "p.json")]
+    assert expected in _usage_error(capsys, argv)
+
+
+MLP = ["autopar.tools.zoo:mlp", "--input-shape", "16,32"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["profile", "autopar.tools.zoo:mlp", "--input-shape", "8,3"], "does not run on"),
+        (["profile", *MLP, "--input-shape", "4"], "does not run on"),  # one input too many
+        (["plan", *MLP, "--streams", "0"], "--streams"),
+        (["profile", *MLP, "--dtype", "floot32"], "did you mean 'float32'"),
+        (["profile", *MLP, "--dtype", "bfloat16"], "float32 parameters"),
+        (["profile", *MLP, "--dtype", "int64"], "does not run on"),  # ints into a Linear
+        (["plan", *MLP, "--gantt", "nodir/x.png"], "mkdir -p nodir"),
+        (["plan", *MLP, "--gantt", "x.txt"], "image extension"),
+        (["plan", *MLP, "--json", "nodir/plan.json"], "does not exist"),
+        (["plan", *MLP, "--trace", "."], "is a directory"),
+        (["profile", *MLP, "--csv", "nodir/t.csv"], "does not exist"),
+        (["profile", *MLP, "--top", "-1"], "--top"),
+        (["profile", *MLP, "--top", "0"], "--top"),
+        (["profile", *MLP, "--out", "notes.txt"], "not a .json store"),
+    ],
+)
+def test_bad_argument_exits_2_with_two_lines(argv, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # relative paths land here; nothing may be written at all
+    (tmp_path / "notes.txt").write_text("a file where the store would go")
+    err = _usage_error(capsys, argv)
+    assert expected in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # failed up front
+
+
+def test_version(capsys):
+    import torch
+
+    import autopar
+
     with pytest.raises(SystemExit) as exc:
-        main(["profile", spec, "--input-shape", "16,32", "--out", str(tmp_path / "p.json")])
-    assert expected in str(exc.value.code)
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"autopar {autopar.__version__}") and torch.__version__ in out
+
+
+def _failing_plan(exc):
+    def plan(*args, **kwargs):
+        raise exc
+
+    return plan
+
+
+@pytest.mark.parametrize(
+    "exc, status, expected",
+    [
+        (PlanError("even the serial plan exceeds the memory budget"), 2, "memory budget"),
+        (RuntimeError("boom in a pass"), 1, "RuntimeError: boom in a pass"),
+    ],
+)
+def test_errors_while_running_are_two_lines_unless_debugging(
+    exc, status, expected, tmp_path, monkeypatch, capsys
+):
+    import autopar.api
+
+    monkeypatch.setattr(autopar.api, "plan", _failing_plan(exc))
+    monkeypatch.delenv("AUTOPAR_DEBUG", raising=False)
+    argv = ["plan", *MLP, "--store", str(tmp_path / "s.json")]
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and expected in lines[0] and "--debug" in lines[1], err
+    assert "Traceback" not in err
+    for how in (["--debug", *argv], [*argv, "--debug"]):  # before or after the subcommand
+        assert main(how) == status
+        assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv("AUTOPAR_DEBUG", "1")
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert "Traceback" in err and expected in err
+
+
+def test_shape_check_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    """The eager forward that checks --input-shape must not change what is profiled."""
+    (tmp_path / "bn_models_cli.py").write_text(
+        "import torch.nn as nn\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the current directory is importable, as documented
+    import argparse as ap
+
+    import torch
+
+    from autopar.tools.cli import _model_and_inputs
+
+    args = ap.Namespace(model="bn_models_cli:make", input_shape=[(8, 3)], dtype="float32")
+    model, (x,) = _model_and_inputs(args)
+    bn = model[1]
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and int(bn.num_batches_tracked) == 0
+    assert x.shape == (8, 3)
+    after = torch.rand(1)  # the check's dropout draws did not move the generator
+    torch.manual_seed(0)
+    torch.randn(8, 3)
+    assert torch.equal(after, torch.rand(1))
 
 
 def test_plan_writes_gantt_and_plan_json(tmp_path, capsys):
-    png, plan_json = tmp_path / "x.png", tmp_path / "plan.json"
+    png, plan_json, trace = tmp_path / "x.png", tmp_path / "plan.json", tmp_path / "t.json"
     rc = main(
         [
             "plan",
@@ -139,14 +256,18 @@ def test_plan_writes_gantt_and_plan_json(tmp_path, capsys):
             str(png),
             "--json",
             str(plan_json),
+            "--trace",
+            str(trace),
         ]
     )
     assert rc == 0
     out = capsys.readouterr().out
-    assert str(png) in out and str(plan_json) in out
+    assert str(png) in out and str(plan_json) in out and str(trace) in out
     assert png.read_bytes()[:8] == PNG_MAGIC
     plan = Plan.from_json(plan_json.read_text())
     assert plan.order and plan.predicted_step_time > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" for e in events)
 
 
 def test_bench_runs_and_writes_json_and_csv(tmp_path, capsys):

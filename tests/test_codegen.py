@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.codegen.emit import is_rng
+from autopar.capture.analysis import is_rng
 from autopar.codegen.executors import generate
 from autopar.errors import PlanError
 from autopar.planning.plan import Plan, Stream, Sync, node_key

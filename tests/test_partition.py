@@ -17,14 +17,9 @@ from hypothesis import strategies as st
 
 from autopar.errors import PlanError
 from autopar.planning.costmodel import MachineModel, thread_layouts, transfer_time
-from autopar.planning.partition import (
-    POLICIES,
-    chain_cover,
-    make_plan,
-    minimal_syncs,
-    stage_partition,
-)
+from autopar.planning.partition import make_plan, minimal_syncs
 from autopar.planning.plan import Plan, Stream
+from autopar.planning.policies import POLICIES, chain_cover, stage_partition
 from autopar.planning.simulate import simulate
 from autopar.planning.taskgraph import (
     chain_graph,

@@ -243,6 +243,21 @@ def test_choice_is_deterministic_given_timings(monkeypatch):
     assert pred[("fused", 1)] < 0.6 * 4 * 0.0101
 
 
+def test_prediction_is_the_planners_simulation(monkeypatch):
+    """The pieces are scheduled and simulated by the planner (listsched.list_schedule): a
+    bidirectional fused layer with useless threads runs both directions at once, one sync
+    per layer boundary; on one core the simulator sees two streams oversubscribe it."""
+    spec = _spec(dirs=2, layers=2)
+    t = _fake_timings(spec, (1.0, 1.0), full_default=0.01, full_half=0.01)
+    monkeypatch.setattr(rc, "_cores", lambda: 2)
+    monkeypatch.setattr(rc, "_threads", lambda: (2, 1))
+    piece = 0.01 + 1e-4
+    assert rc.predict_rnn_form(spec, "fused", 1, t) == pytest.approx(2 * piece + rc.SYNC_S)
+    monkeypatch.setattr(rc, "_cores", lambda: 1)
+    monkeypatch.setattr(rc, "_threads", lambda: (1, 1))
+    assert rc.predict_rnn_form(spec, "fused", 1, t) == pytest.approx(4 * piece)  # serial
+
+
 def test_choice_measured_once_cached_logged_and_overridable(monkeypatch, caplog):
     calls = []
 

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
 
 from autopar.errors import StoreWarning
 from autopar.profiling.store import (
+    STALE_TMP_S,
     STORE_FORMAT,
     STORE_VERSION,
     ProfileStore,
+    _backup,
+    _host_tag,
+    _remove_orphaned_tmp,
     default_file_name,
     machine_fingerprint,
     torch_version,
@@ -132,8 +139,10 @@ def test_bad_file_warns_once_moves_aside_and_recovers(tmp_path, kind):
         store.flush()  # the new file is written without a second warning
     assert len(caught) == 1, [str(w.message) for w in caught]
     msg = str(caught[0].message)
-    assert str(path) in msg and why in msg and "re-measured" in msg and ".corrupt" in msg
-    assert (tmp_path / "p.json.corrupt").read_text() == text  # kept for inspection
+    assert str(path) in msg and why in msg and "re-measured" in msg
+    (backup,) = tmp_path.glob("p.json.corrupt-*")
+    assert str(backup) in msg  # the one warning says where the file went
+    assert backup.read_text() == text  # kept for inspection
     assert len(store) == 1 and store.get("a" * 16) is None  # nothing of it was trusted
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -178,3 +187,97 @@ def test_unwritable_location_warns_once_and_keeps_memory(tmp_path):
         store.flush()  # still failing: no second warning
     assert len(caught) == 1
     assert store.get("s") == REC and store.get("t") == REC
+
+
+def test_non_utf8_file_is_backed_up_not_overwritten(tmp_path):
+    raw = b"\xff\xfe\x00\x81 binary garbage \xc3"
+    path = tmp_path / "p.json"
+    path.write_bytes(raw)
+    with pytest.warns(StoreWarning, match="not UTF-8") as caught:
+        store = ProfileStore(path)
+        store.put("b" * 16, REC)
+        store.flush()
+    assert len(caught) == 1
+    (backup,) = tmp_path.glob("p.json.corrupt-*")
+    assert str(backup) in str(caught[0].message)
+    assert backup.read_bytes() == raw  # byte for byte
+    assert ProfileStore(path).get("b" * 16) == REC
+
+
+def test_every_bad_file_gets_its_own_backup(tmp_path):
+    """A store from a newer autopar, replaced, then written again by it: the second backup
+    must not overwrite the first (the old code renamed both to the same ``.corrupt``)."""
+    path = tmp_path / "p.json"
+    newer = [json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION + 1, "n": i})
+             for i in range(3)]  # fmt: skip
+    for text in newer:
+        path.write_text(text)
+        with pytest.warns(StoreWarning, match="format version") as caught:
+            store = ProfileStore(path)
+            store.put("b" * 16, REC)
+            store.flush()
+        assert len(caught) == 1
+    backups = sorted(tmp_path.glob("p.json.corrupt-*"))
+    assert sorted(b.read_text() for b in backups) == sorted(newer)
+    assert ProfileStore(path).get("b" * 16) == REC
+
+
+def test_backup_names_never_collide(tmp_path):
+    path = tmp_path / "p.json"
+    names = []
+    for i in range(3):  # same process, most likely the same second: numbered names
+        path.write_text(f"bad {i}")
+        names.append(_backup(str(path)))
+    assert len(set(names)) == 3 and not path.exists()
+    assert [open(n).read() for n in names] == ["bad 0", "bad 1", "bad 2"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid names no process now
+    return proc.pid
+
+
+def test_orphaned_temporary_files_are_removed(tmp_path):
+    host, me = _host_tag(), os.getpid()
+    files = {
+        f"p.json.{host}-{_dead_pid()}.abc123.tmp": False,  # its writer was killed
+        f"p.json.{host}-{me}.fresh1.tmp": True,  # writer alive, recent: maybe mid-write
+        f"p.json.{host}-{me}.stale1.tmp": False,  # alive pid, but far too old
+        f"p.json.otherhost-{me}.fresh2.tmp": True,  # another host: only age can tell
+        "p.json.k3x9q_ab.tmp": True,  # the old unnamed format, recent
+        "p.json.k3x9q_cd.tmp": False,  # the old unnamed format, old
+        f"other.json.{host}-{_dead_pid()}.x1.tmp": True,  # another store's
+        "p.json.notes": True,  # not a temporary file
+    }
+    old = time.time() - 2 * STALE_TMP_S
+    for name in files:
+        (tmp_path / name).write_text("{")
+        if "stale1" in name or "_cd" in name:
+            os.utime(tmp_path / name, (old, old))
+    store = ProfileStore(tmp_path / "p.json")
+    store.put("s" * 16, REC)
+    store.flush()
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {name for name, kept in files.items() if kept} | {"p.json"}
+    assert _remove_orphaned_tmp(str(tmp_path / "p.json")) == []  # nothing more to clean
+
+
+def test_flush_names_its_temporary_file_after_its_writer(tmp_path, monkeypatch):
+    """The pid in the name is what lets a later flush tell a killed writer's file."""
+    import tempfile
+
+    seen = []
+    real = tempfile.mkstemp
+
+    def spy(*args, **kwargs):
+        fd, name = real(*args, **kwargs)
+        seen.append(os.path.basename(name))
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", spy)
+    store = ProfileStore(tmp_path / "p.json")
+    store.put("s" * 16, REC)
+    store.flush()
+    (name,) = seen
+    assert name.startswith(f"p.json.{_host_tag()}-{os.getpid()}.") and name.endswith(".tmp")

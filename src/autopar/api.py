@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.adapt.monitor import AdaptOptions
+from autopar.adapt.monitor import AdaptOptions, describe_key
 from autopar.capture.backend import GraphRecord, dynamo_compile
 from autopar.errors import CaptureError
 from autopar.pipeline import Pipeline
@@ -32,7 +32,7 @@ class CompileOptions:
     """What ``autopar.compile`` was asked for. Every default is chosen for the machine."""
 
     streams: int | None = None  # concurrency to plan for; None: the machine's core count
-    policy: str = "auto"  # partitioner: auto | serial | round_robin | heft | nimble
+    policy: str = "auto"  # partitioner: one of planning.policies.SINGLE_DEVICE_POLICY_NAMES
     store: Any = None  # a ProfileStore, a path (dir or .json), or None for ./profiles
     memory_budget: int | None = None  # bytes; the planner trades concurrency for memory
     rnn: str = "unroll"  # nn.LSTM/GRU/cells: "unroll" into custom cell ops, or "eager"
@@ -41,11 +41,13 @@ class CompileOptions:
     repeats: int = 5  # profiler timed runs per operator signature
     adapt: Any = True  # True, False (no monitor) or an autopar.adapt.monitor.AdaptOptions
     cache_size: int = 8  # plans kept per input signature (LRU; see autopar.adapt.monitor.PlanCache)
+    race: bool = True  # race whole eager and compiled steps first; keep the faster (runtime.race)
 
     def __post_init__(self):
         if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
             raise ValueError(f"streams must be a positive int or None, got {self.streams!r}")
-        policies = ("auto", "serial", "round_robin", "heft", "nimble")
+        from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES as policies
+
         if self.policy not in policies:
             raise ValueError(f"policy must be one of {policies}, got {self.policy!r}")
         if self.rnn not in ("unroll", "eager"):
@@ -111,6 +113,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     debug_dir: str | None = None,
     adapt: bool | AdaptOptions = True,
     cache_size: int = 8,
+    race: bool = True,
 ) -> CompiledModule:
     """Compile ``model`` for parallel training. Lazy: the work happens on the first call.
 
@@ -136,6 +139,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         cache_size: plans kept per input signature (shapes, dtypes, train/eval, grad mode,
             autocast), least recently used evicted; each miss logs one line on the
             ``"autopar"`` logger, and more signatures than this warns once.
+        race: the safety net (``autopar.runtime.race``): the first steps of each input
+            signature alternate whole eager and compiled steps, and the module keeps the
+            faster; ``explain`` says which and why. ``False``: always compiled.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(
@@ -145,7 +151,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     if isinstance(model, CompiledModule):
         return model
     options = CompileOptions(
-        streams, policy, store, memory_budget, rnn, debug_dir, adapt=adapt, cache_size=cache_size
+        streams, policy, store, memory_budget, rnn, debug_dir, adapt=adapt, cache_size=cache_size,
+        race=race,
     )
     return CompiledModule(model, options)
 
@@ -172,10 +179,15 @@ def explain(cmodel: CompiledModule) -> str:
     Call after the first forward (and backward, for the backward program)."""
     if not isinstance(cmodel, CompiledModule):
         raise TypeError(f"explain() expects the result of autopar.compile, got {type(cmodel)}")
-    records = cmodel._autopar_pipeline.records
+    pipeline = cmodel._autopar_pipeline
+    records = pipeline.records
     if not records:
         return "# nothing compiled yet: call the model once (and .backward()) first\n"
-    parts = []
+    parts = [
+        f"# steps with input signature {describe_key(k)}: "
+        + (f"{verdict} ({why})" if verdict else why)
+        for k, (verdict, why) in pipeline.race.report().items()
+    ]
     for r in records:
         if r.program is not None:
             parts.append(r.program.source)

@@ -17,9 +17,17 @@ import warnings
 
 import torch.nn as nn
 
-from autopar.adapt.monitor import AdaptOptions, Monitor, align_dynamo_limit, describe_key, input_key
+from autopar.adapt.monitor import (
+    AdaptOptions,
+    Monitor,
+    describe_key,
+    dynamo_limit,
+    input_key,
+    register_cache_size,
+)
 from autopar.capture.backend import Capture, GraphRecord
 from autopar.errors import warn_fallback
+from autopar.runtime.race import StepRace
 
 #: Interleaved timed runs per candidate program at the first call (best of them counts).
 MEASURE_ROUNDS = 3
@@ -36,7 +44,9 @@ class Pipeline:
         adapt = AdaptOptions() if adapt is True else (adapt or None)
         cache_size = getattr(options, "cache_size", 8)
         self.monitor = Monitor(self, adapt, cache_size)
-        align_dynamo_limit(cache_size)
+        register_cache_size(cache_size)
+        self.race = StepRace(enabled=getattr(options, "race", True))
+        self.key = None  # the input signature of the step that runs now
         from autopar.rnn.fuse import fuse_cell_loops
 
         self.capture = Capture(
@@ -59,18 +69,23 @@ class Pipeline:
         return self._store
 
     def call(self, model: nn.Module, compiled, args, kwargs):
-        """One forward call: a step boundary (pending re-plans are swapped in here)."""
+        """One forward call: a step boundary (pending re-plans are swapped in here). The
+        step runs compiled, or eagerly while the race says so (``runtime.race``)."""
         first = self.compile_seconds is None
         key = input_key(model, args, kwargs)
-        self.monitor.begin_step(key, lambda: describe_key(key))
+        self.key = key
         t0 = time.perf_counter()
-        if self.options.rnn == "unroll":
-            from autopar.rnn.rewrite import rewrite_rnns
+        if self.race.choose(key, t0) == "eager":
+            return model(*args, **kwargs)
+        self.monitor.begin_step(key, lambda: describe_key(key))
+        with dynamo_limit():
+            if self.options.rnn == "unroll":
+                from autopar.rnn.rewrite import rewrite_rnns
 
-            with rewrite_rnns(model):
+                with rewrite_rnns(model):
+                    out = compiled(*args, **kwargs)
+            else:
                 out = compiled(*args, **kwargs)
-        else:
-            out = compiled(*args, **kwargs)
         if first:
             self.compile_seconds = time.perf_counter() - t0
         return out
@@ -78,6 +93,8 @@ class Pipeline:
     def prepare(self, record: GraphRecord, args: list):
         """Profile (running the graph once for real), plan, generate; return (out, runner)."""
         from autopar.profiling.profiler import profile_graph
+
+        self.race.mark_dirty(self.key)  # this step compiles: it does not count in the race
 
         opts = self.options
         debug_dir = opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR")

@@ -50,9 +50,10 @@ import torch
 
 from autopar.adapt.shapes import (  # noqa: F401 - re-exported: the pipeline uses them
     PlanCache,
-    align_dynamo_limit,
     describe_key,
+    dynamo_limit,
     input_key,
+    register_cache_size,
 )
 
 log = logging.getLogger("autopar")

@@ -8,6 +8,7 @@ reported once with advice. Split from ``autopar.adapt.monitor``, which re-export
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -88,22 +89,28 @@ _limit_lock = threading.Lock()
 _limit_total = [0]  # sum of cache_size over every module autopar compiled in this process
 
 
-def align_dynamo_limit(cache_size: int) -> None:
-    """Dynamo stops compiling a code object after ``recompile_limit`` graphs (then runs it
-    eagerly), counting the graphs of *every* instance of a class against one limit. Raise
-    the process-wide limit to the sum of ``cache_size`` over the modules compiled so far
-    (never lowered), so every cached signature of every compiled module gets its graph."""
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+def register_cache_size(cache_size: int) -> None:
+    """Count a compiled module's ``cache_size`` towards :func:`dynamo_limit`'s limit."""
     with _limit_lock:
         _limit_total[0] += cache_size
-        want = _limit_total[0]
-        if getattr(cfg, name) < want:
-            log.debug("autopar: raising torch._dynamo.config.%s to %d", name, want)
-            setattr(cfg, name, want)
-            acc = getattr(cfg, "accumulated_recompile_limit", None)
-            if acc is not None and acc < want:
-                cfg.accumulated_recompile_limit = want
+
+
+def dynamo_limit():
+    """A context for one compiled call: Dynamo stops compiling a code object after
+    ``recompile_limit`` graphs (then runs it eagerly), counting the graphs of *every*
+    instance of a class against one limit. Inside the call the limit is at least the sum of
+    ``cache_size`` over the modules compiled so far, so every cached signature of every
+    compiled module gets its graph; the process-wide setting is restored on exit."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    want = _limit_total[0]
+    changes = {}
+    if getattr(cfg, name) < want:
+        changes[name] = want
+    acc = getattr(cfg, "accumulated_recompile_limit", None)
+    if acc is not None and acc < want:
+        changes["accumulated_recompile_limit"] = want
+    return cfg.patch(changes) if changes else contextlib.nullcontext()
 
 
 def input_key(model: torch.nn.Module, args, kwargs) -> tuple:

@@ -1,6 +1,10 @@
-"""The shared program builder: graph analysis (in-place writes, views, RNG), readable names,
-the schedule of a plan (waits reduced with vector clocks), statements with early ``del``,
-and the provenance header. The emitters (``python``, ``cuda``, ``torchscript``) build on it.
+"""The shared program builder: readable names, the schedule of a plan (waits reduced with
+the planner's vector clocks), statements with early ``del``, and the provenance header. The
+emitters (``python``, ``cuda``, ``torchscript``) build on it.
+
+The graph analysis it schedules by (in-place writes, views, RNG) is
+``autopar.capture.analysis``, shared with the profiler and the pipeline; its names are
+re-exported here for the emitters.
 
 Generated programs import what they call at run time themselves
 (``import autopar.runtime.streams as _rt`` in their header): codegen never imports the
@@ -23,18 +27,21 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.capture.analysis import (  # noqa: F401 - re-exported for the emitters
+    RNG_NAMES,
+    buffer_analysis,
+    has_side_effects,
+    is_op,
+    is_rng,
+    schema_args,
+)
 from autopar.capture.backend import node_key
 from autopar.errors import PlanError, describe_node
+from autopar.planning.clocks import VectorClocks
 from autopar.planning.plan import Plan
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 RESERVED = {"torch", "aten", "operator", "inf", "nan", "st", "v", "ev", "w", "a", "_rt", "_gm"}
-RNG_NAMES = {
-    "dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
-    "randn_like", "randint", "randint_like", "randperm", "normal", "normal_", "uniform",
-    "uniform_", "exponential", "exponential_", "geometric_", "log_normal_", "cauchy_",
-    "multinomial", "poisson", "rrelu_with_noise", "_fused_dropout", "feature_dropout",
-}  # fmt: skip
 program_counter = itertools.count()
 
 
@@ -65,69 +72,6 @@ class Program:
         with open(path, "w") as f:
             f.write(self.source)
         return path
-
-
-# -- graph analysis ---------------------------------------------------------------------------
-def schema_args(node: fx.Node):
-    """(schema argument, value) pairs of an OpOverload call."""
-    schema = node.target._schema
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            yield arg, node.args[i]
-        elif arg.name in node.kwargs:
-            yield arg, node.kwargs[arg.name]
-
-
-def is_op(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-
-
-def is_rng(node: fx.Node) -> bool:
-    """Whether ``node`` consumes the global random generator.
-
-    Example::
-
-        >>> g = make_fx(lambda x: torch.dropout(x, 0.5, True))(torch.ones(2))  # doctest: +SKIP
-    """
-    if not is_op(node):
-        return False
-    op = node.target
-    if torch.Tag.nondeterministic_seeded in op.tags:
-        return True
-    if op._schema.name.split("::")[-1] in RNG_NAMES:
-        return True
-    return any("Generator" in str(a.type) for a in op._schema.arguments)
-
-
-def has_side_effects(gm: fx.GraphModule) -> bool:
-    """Whether running ``gm`` again would repeat an effect: a write into an argument (an
-    input mutation such as a BatchNorm statistic) or a draw from the random generator."""
-    nodes = list(gm.graph.nodes)
-    _, writes = buffer_analysis(nodes)
-    return bool(writes) or any(is_rng(n) for n in nodes)
-
-
-def buffer_analysis(nodes: list[fx.Node]) -> tuple[dict, dict]:
-    """``base[n]``: the node owning n's storage; ``writes[n]``: bases that n writes."""
-    base: dict[fx.Node, fx.Node] = {}
-    writes: dict[fx.Node, set] = {}
-    for n in nodes:
-        base[n] = n
-        if is_op(n):
-            aliased = None
-            for arg, val in schema_args(n):
-                if arg.alias_info is None or not isinstance(val, fx.Node):
-                    continue
-                aliased = aliased or val
-                if arg.alias_info.is_write:
-                    writes.setdefault(n, set()).add(base[val])
-            if aliased is not None and any(r.alias_info for r in n.target._schema.returns):
-                base[n] = base[aliased]  # a view or an in-place result: same buffer
-        elif n.op == "call_function" and n.target is operator.getitem:
-            src = n.args[0]
-            if isinstance(src, fx.Node) and base[src] is not src:
-                base[n] = base[src]  # an element of split/unbind/chunk (views)
-    return base, writes
 
 
 # -- formatting -------------------------------------------------------------------------------
@@ -300,30 +244,19 @@ def schedule(gm: fx.GraphModule, plan: Plan, tag: str, cuda: bool) -> Schedule:
                 raise PlanError(f"plan sync {s.src} -> {s.dst} points backwards in plan.order")
             deps[dst].add(src)
 
-    # Vector clocks: skip a wait already implied by an earlier wait of the same stream.
-    spos: dict[fx.Node, int] = {}
-    counts: dict[int, int] = {}
-    for n in compute:
-        spos[n] = counts.get(stream[n], 0)
-        counts[stream[n]] = spos[n] + 1
-    clock: dict[int, dict[int, int]] = {}
-    after: dict[fx.Node, dict[int, int]] = {}
-    waits: dict[fx.Node, list[fx.Node]] = {n: [] for n in compute}
+    # Vector clocks (planning.clocks): skip a wait already implied by stream order and the
+    # earlier waits of the same stream; later producers first, their waits imply more.
+    clocks = VectorClocks()
+    waits: dict[fx.Node, list[fx.Node]] = {}
     signals: dict[fx.Node, None] = {}
     for n in compute:
         d = stream[n]
-        known = clock.setdefault(d, {})
-        need = [p for p in deps[n] if stream[p] != d]
-        for p in sorted(need, key=lambda p: -pos[key[p]]):  # later waits imply more
-            if known.get(stream[p], -1) >= spos[p]:
-                continue
-            waits[n].append(p)
-            signals[p] = None
-            for s2, q in after[p].items():
-                known[s2] = max(known.get(s2, -1), q)
-        known[d] = spos[n]
-        after[n] = dict(known)
-    used = [main] + [s for s in ids if s != main and s in counts]
+        need = sorted((p for p in deps[n] if stream[p] != d), key=lambda p: -pos[key[p]])
+        waits[n] = clocks.reduce(d, need)
+        signals.update(dict.fromkeys(waits[n]))
+        clocks.run(d, n)
+    active = set(stream.values())
+    used = [main] + [s for s in ids if s != main and s in active]
     for n in compute:
         n.meta["autopar.stream"] = stream[n]
     return Schedule(compute, stream, main, used, waits, list(signals), notes)

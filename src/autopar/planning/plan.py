@@ -203,10 +203,39 @@ class Plan:
 
         return plan_networkx(self)
 
-    def gantt(self, path: str, title: str | None = None) -> str:
+    def gantt(self, path: str | None = None, title: str | None = None):
+        """The Gantt chart of the predicted timeline: one panel per graph (forward,
+        backward), one row per stream, one box per operator; ``title`` (e.g. the model's
+        name) leads the figure's title. Without ``path`` returns the matplotlib ``Figure``;
+        with ``path`` writes the image and returns ``path``.
+
+        Example::
+
+            >>> plan.gantt("plan.png", title="towers")      # doctest: +SKIP
+            'plan.png'
+            >>> fig = plan.gantt()                           # doctest: +SKIP
+        """
         from autopar.planning.report import plan_gantt
 
         return plan_gantt(self, path, title=title)
+
+    def to_chrome_trace(self, path: str | None = None) -> dict[str, Any]:
+        """The predicted timeline as a Chrome trace-event dict (open the file in Perfetto):
+        one ``"X"`` event per operator, times in microseconds, pid = graph, tid = stream.
+        Also written to ``path`` when given.
+
+        Example::
+
+            >>> trace = plan.to_chrome_trace("plan.trace.json")   # doctest: +SKIP
+            >>> trace["traceEvents"][0]["ph"]                      # doctest: +SKIP
+            'M'
+        """
+        from autopar.planning.report import plan_chrome_trace, write_chrome_trace
+
+        trace = plan_chrome_trace(self)
+        if path is not None:
+            write_chrome_trace(trace, path)
+        return trace
 
     def summary(self) -> str:
         from autopar.planning.report import plan_summary

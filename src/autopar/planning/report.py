@@ -1,7 +1,7 @@
-"""Looking at a Plan: a table, a graph, a Gantt chart and a text summary.
+"""Looking at a Plan: a table, a graph, a Gantt chart, a Chrome trace and a text summary.
 
-These back ``Plan.to_dataframe``, ``Plan.to_networkx``, ``Plan.gantt`` and
-``Plan.summary``.
+These back ``Plan.to_dataframe``, ``Plan.to_networkx``, ``Plan.gantt``,
+``Plan.to_chrome_trace`` and ``Plan.summary``.
 
 Example::
 
@@ -15,7 +15,10 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import pandas as pd
@@ -67,7 +70,7 @@ def plan_networkx(plan: Plan) -> nx.DiGraph:
 
     Example::
 
-        >>> from autopar.planning.plan import Stream, Sync
+        >>> from autopar.planning.plan import Plan, Stream, Sync
         >>> p = Plan("g", "x", (Stream(0), Stream(1)), (("a", 0), ("b", 1)), ("a", "b"),
         ...          (Sync("a", "b", 0, 1, 8),), edges=(("a", "b", 8),))
         >>> plan_networkx(p).edges["a", "b"]["sync"]
@@ -90,50 +93,289 @@ def plan_networkx(plan: Plan) -> nx.DiGraph:
     return g
 
 
-def plan_gantt(plan: Plan, path: str, title: str | None = None) -> str:
-    """Save a Gantt chart of the simulated timeline as a PNG: one row per stream, bars
-    coloured by phase (forward / backward), times in ms. Returns ``path``.
+# -- timelines: per-graph panels, a Gantt chart and a Chrome trace ----------------------------
+#: Box borders: adjacent operators of one stream stay distinguishable.
+EDGE_COLOUR = "#1a1a1a"
+LABEL_FONT_PT = 7.0
+# Average glyph width of the label font, in units of its size (DejaVu Sans runs ~0.55-0.6).
+_CHAR_WIDTH = 0.6
+_CHOSE = re.compile(r"^(?P<graph>[^\s:]+): chose (?P<policy>[^\s:]+):")
+
+
+@dataclass(frozen=True, eq=False)  # rows is a DataFrame: compared by identity
+class TimelinePanel:
+    """The scheduled part of one graph of a plan (one forward or one backward).
+
+    ``rows`` are that graph's nodes with a positive predicted duration (``plan_dataframe``
+    rows plus ``name``, the node name without the ``"<graph>/"`` prefix); ``streams`` are the
+    streams its nodes are placed on, so a combined fw+bw plan shows each graph's own streams.
+    """
+
+    graph: str
+    phase: str
+    policy: str
+    streams: tuple[int, ...]
+    rows: pd.DataFrame
+
+    @property
+    def span(self) -> tuple[float, float]:
+        """(first start, last finish) in seconds, (0, 0) when nothing is scheduled."""
+        if self.rows.empty:
+            return 0.0, 0.0
+        return float(self.rows["start"].min()), float(self.rows["finish"].max())
+
+
+def timeline_panels(plan: Plan) -> list[TimelinePanel]:
+    """Split a plan into one panel per graph, in plan order (forward before backward).
+
+    A combined plan's node keys are ``"<graph>/<node>"`` (e.g. ``"g0.bw/mm_1"``); nodes without
+    a prefix are grouped by phase.
 
     Example::
 
-        >>> plan_gantt(plan, "plan.png")        # doctest: +SKIP
-        'plan.png'
+        >>> from autopar.planning.plan import Plan, Stream
+        >>> p = Plan("g", "serial", (Stream(0),), (("g0.bw/b", 0), ("g0.fw/a", 0)),
+        ...          ("g0.fw/a", "g0.bw/b"), (),
+        ...          timeline=(("g0.fw/a", 0.0, 1.0, 1.0), ("g0.bw/b", 1.0, 3.0, 2.0)))
+        >>> [(t.graph, len(t.rows)) for t in timeline_panels(p)]
+        [('g0.fw', 1), ('g0.bw', 1)]
+    """
+    df = plan_dataframe(plan)
+    graphs = [
+        n.split("/", 1)[0] if "/" in n else (ph or plan.graph_id)
+        for n, ph in zip(df["node"], df["phase"], strict=True)
+    ]
+    df = df.assign(graph=graphs, name=[n.split("/", 1)[-1] for n in df["node"]])
+    chosen = {}  # a combined plan keeps each graph's choice in its notes only
+    for note in plan.notes:
+        m = _CHOSE.match(note)
+        if m:
+            chosen[m["graph"]] = m["policy"]
+    single = len(set(graphs)) == 1
+    panels = []
+    for graph in dict.fromkeys(graphs):
+        part = df[df["graph"] == graph]
+        phases = [p for p in dict.fromkeys(part["phase"]) if p]
+        timed = part[part["finish"] > part["start"]]  # NaN compares False: unsimulated nodes
+        panels.append(
+            TimelinePanel(
+                graph=graph,
+                phase="+".join(phases) or "other",
+                policy=plan.policy if single else chosen.get(graph, ""),
+                streams=tuple(sorted({int(s) for s in part["stream"]})),
+                rows=timed.reset_index(drop=True),
+            )
+        )
+    return panels
+
+
+def _stream_label(plan: Plan, sid: int) -> str:
+    s = next((s for s in plan.streams if s.id == sid), None)
+    if s is None:
+        return f"stream {sid}"
+    return f"stream {s.id}\n{s.device}, {s.threads or 'default'}t"
+
+
+def _figure_title(plan: Plan, title: str | None) -> str:
+    t, serial = plan.predicted_step_time, plan.serial_time
+    text = (
+        f"{plan.graph_id} | policy {plan.policy} | predicted {t * 1e3:.3f} ms "
+        f"(serial {serial * 1e3:.3f} ms, {serial / t if t > 0 else 1.0:.2f}x)"
+    )
+    return f"{title}: {text}" if title and title != plan.graph_id else text
+
+
+def plan_figure(plan: Plan, title: str | None = None):
+    """The predicted timeline as a matplotlib ``Figure``: one panel per graph (forward and
+    backward apart), one row per stream that graph uses, one bordered box per operator
+    (coloured by phase, named where the name fits), the legend outside the plot, and a title
+    with the graph(s), policy and predicted time, prefixed by ``title`` (e.g. a model name).
+
+    Example::
+
+        >>> fig = plan_figure(plan, title="towers")        # doctest: +SKIP
+        >>> fig.savefig("plan.svg")                         # doctest: +SKIP
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch, Rectangle
 
-    df = plan_dataframe(plan)
-    df = df[(df["finish"] > df["start"])]
-    sids = [s.id for s in plan.streams]
-    fig = Figure(figsize=(10, 1.0 + 0.6 * len(sids)))
+    panels = timeline_panels(plan)
+    heights = [max(1, len(p.streams)) for p in panels] or [1]
+    fig = Figure(figsize=(12, 1.3 + sum(0.75 + 0.5 * h for h in heights)), layout="constrained")
     FigureCanvasAgg(fig)  # Agg canvas without touching pyplot's global backend
-    ax = fig.add_subplot(1, 1, 1)
-    for row, sid in enumerate(sids):
-        part = df[df["stream"] == sid]
-        for phase, grp in part.groupby("phase"):
-            bars = list(zip(grp["start"] * 1e3, (grp["finish"] - grp["start"]) * 1e3, strict=True))
-            colour = PHASE_COLOURS.get(phase, OTHER_COLOUR)
-            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, edgecolor="none")
-    labels = []
-    for s in plan.streams:
-        labels.append(f"stream {s.id}\n{s.device}, {s.threads or 'default'}t")
-    ax.set_yticks(range(len(sids)))
-    ax.set_yticklabels(labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    phases = [p for p in PHASE_COLOURS if p in set(df["phase"])] or list(PHASE_COLOURS)
-    handles = [Patch(color=PHASE_COLOURS[p], label=p) for p in phases]
-    if set(df["phase"]) - set(PHASE_COLOURS):
-        handles.append(Patch(color=OTHER_COLOUR, label="other"))
-    ax.legend(handles=handles, loc="upper right", fontsize="small")
-    ax.set_title(
-        title
-        or f"{plan.graph_id}: {plan.policy}, predicted {plan.predicted_step_time * 1e3:.3f} ms "
-        f"(serial {plan.serial_time * 1e3:.3f} ms)"
-    )
-    fig.tight_layout()
+    axes = fig.subplots(len(heights), 1, squeeze=False, height_ratios=heights)[:, 0]
+    for ax, panel in zip(axes, panels, strict=False):
+        rows = {sid: i for i, sid in enumerate(panel.streams)}
+        for r in panel.rows.itertuples(index=False):
+            ax.add_patch(
+                Rectangle(
+                    (r.start * 1e3, rows[r.stream] - 0.4),
+                    (r.finish - r.start) * 1e3,
+                    0.8,
+                    facecolor=PHASE_COLOURS.get(r.phase, OTHER_COLOUR),
+                    edgecolor=EDGE_COLOUR,
+                    linewidth=0.6,
+                )
+            )
+        lo, hi = panel.span
+        pad = (hi - lo) * 1e3 * 0.01 or 1e-3
+        ax.set_xlim(lo * 1e3 - pad, hi * 1e3 + pad)
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # stream 0 on top
+        ax.set_yticks(range(len(rows)), [_stream_label(plan, s) for s in panel.streams])
+        n = len(panel.streams)
+        ax.set_title(
+            f"{panel.graph} ({panel.phase})"
+            + (f", {panel.policy}" if panel.policy else "")
+            + f": {n} stream{'s' if n != 1 else ''}, {len(panel.rows)} operators, "
+            f"{(hi - lo) * 1e3:.3f} ms",
+            loc="left",
+            fontsize="medium",
+        )
+        ax.set_xlabel("time in the step (ms)")
+        if panel.rows.empty:
+            ax.text(0.5, 0.5, "nothing scheduled", transform=ax.transAxes, ha="center")
+    if not panels:
+        axes[0].text(0.5, 0.5, "empty plan", transform=axes[0].transAxes, ha="center")
+    phases = {p for panel in panels for p in panel.rows["phase"]}
+    handles = [Patch(facecolor=PHASE_COLOURS[p], edgecolor=EDGE_COLOUR, label=p)
+               for p in PHASE_COLOURS if p in phases]  # fmt: skip
+    if phases - set(PHASE_COLOURS) or not handles:
+        handles.append(Patch(facecolor=OTHER_COLOUR, edgecolor=EDGE_COLOUR, label="other"))
+    fig.legend(handles=handles, loc="outside right upper", fontsize="small")
+    fig.suptitle(_figure_title(plan, title))
+    _label_boxes(fig, axes, panels)
+    return fig
+
+
+def _label_boxes(fig, axes, panels: list[TimelinePanel]) -> None:
+    """Write each operator's name inside its box when it fits. Sizes come from the laid-out
+    axes (points per ms), so the check holds at any dpi."""
+    fig.draw_without_rendering()  # runs the constrained layout: axes get their final size
+    fig_w, fig_h = fig.get_size_inches()
+    for ax, panel in zip(axes, panels, strict=False):
+        lo, hi = ax.get_xlim()
+        box = ax.get_position()
+        pt_per_ms = box.width * fig_w * 72 / (hi - lo)
+        row_pt = box.height * fig_h * 72 / max(1, len(panel.streams)) * 0.8
+        if row_pt < LABEL_FONT_PT * 1.3:
+            continue
+        rows = {sid: i for i, sid in enumerate(panel.streams)}
+        for r in panel.rows.itertuples(index=False):
+            room = (r.finish - r.start) * 1e3 * pt_per_ms - 4  # 2 pt margin each side
+            fits = int(room // (LABEL_FONT_PT * _CHAR_WIDTH))
+            if fits >= len(r.name):
+                label = r.name
+            elif fits >= 6:  # a cut name still tells the operator ("convolution_b…")
+                label = r.name[: fits - 1] + "\u2026"
+            else:
+                continue
+            t = ax.text((r.start + r.finish) / 2 * 1e3, rows[r.stream], label,
+                        ha="center", va="center", fontsize=LABEL_FONT_PT, clip_on=True)  # fmt: skip
+            t.set_in_layout(False)  # labels sit inside boxes: they must not move the layout
+
+
+def plan_gantt(plan: Plan, path: str | None = None, title: str | None = None):
+    """The Gantt chart of the predicted timeline (see ``plan_figure``).
+
+    Without ``path`` returns the matplotlib ``Figure``. With ``path`` writes the image there
+    (format by extension: .png, .svg, .pdf, ...) and returns ``path``, as before, so existing
+    ``print(plan.gantt("plan.png"))`` callers keep working; ``plan_figure`` always returns
+    the figure.
+
+    Example::
+
+        >>> plan_gantt(plan, "plan.png", title="towers")     # doctest: +SKIP
+        'plan.png'
+        >>> plan_gantt(plan).axes[0].get_title(loc="left")   # doctest: +SKIP
+        'g0.fw (forward), heft: 2 streams, 103 operators, 0.860 ms'
+    """
+    fig = plan_figure(plan, title=title)
+    if path is None:
+        return fig
     fig.savefig(path, dpi=100)
+    return path
+
+
+def plan_chrome_trace(plan: Plan) -> dict[str, Any]:
+    """The predicted timeline in Chrome's trace-event JSON format (opens in Perfetto and
+    chrome://tracing): one complete event (``"ph": "X"``) per operator with a positive
+    predicted duration, ``ts``/``dur`` in microseconds, ``pid`` = graph (numbered in plan
+    order, named by metadata events), ``tid`` = stream id; cross-stream syncs are flow
+    arrows (``"s"``/``"f"``).
+
+    Example::
+
+        >>> from autopar.planning.plan import Plan, Stream
+        >>> p = Plan("g", "serial", (Stream(0),), (("g0.fw/a", 0),), ("g0.fw/a",), (),
+        ...          timeline=(("g0.fw/a", 0.0, 2e-3, 2e-3),))
+        >>> [(e["name"], e["ts"], e["dur"]) for e in plan_chrome_trace(p)["traceEvents"]
+        ...  if e["ph"] == "X"]
+        [('a', 0.0, 2000.0)]
+    """
+    events: list[dict[str, Any]] = []
+    where: dict[str, tuple[int, int, float, float]] = {}  # node -> (pid, tid, start, finish)
+    for pid, panel in enumerate(timeline_panels(plan), start=1):
+        name = f"{panel.graph} ({panel.phase})" + (f", {panel.policy}" if panel.policy else "")
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": name}})  # fmt: skip
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"sort_index": pid}})  # fmt: skip
+        for sid in panel.streams:
+            label = _stream_label(plan, sid).replace("\n", " (") + ")"
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": sid,
+                           "args": {"name": label}})  # fmt: skip
+        for r in panel.rows.itertuples(index=False):
+            start, finish = float(r.start), float(r.finish)
+            where[r.node] = (pid, int(r.stream), start, finish)
+            events.append(
+                {
+                    "name": r.name,
+                    "cat": r.phase or "other",
+                    "ph": "X",
+                    "ts": start * 1e6,
+                    "dur": (finish - start) * 1e6,
+                    "pid": pid,
+                    "tid": int(r.stream),
+                    "args": {
+                        "node": r.node,
+                        "graph": panel.graph,
+                        "device": r.device,
+                        "threads": int(r.threads),
+                        "flops": int(r.flops),
+                        "bytes": int(r.bytes),
+                    },
+                }
+            )
+    for i, s in enumerate(plan.syncs):
+        if s.src in where and s.dst in where:
+            (pa, ta, a0, _), (pb, tb, b0, _) = where[s.src], where[s.dst]
+            flow = {"name": "sync", "cat": "sync", "id": i, "args": {"bytes": s.bytes}}
+            events.append({**flow, "ph": "s", "pid": pa, "tid": ta, "ts": a0 * 1e6})
+            events.append({**flow, "ph": "f", "bp": "e", "pid": pb, "tid": tb, "ts": b0 * 1e6})
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "graph_id": plan.graph_id,
+            "policy": plan.policy,
+            "predicted_step_time_ms": plan.predicted_step_time * 1e3,
+            "serial_time_ms": plan.serial_time * 1e3,
+            "plan_hash": plan.plan_hash,
+        },
+    }
+
+
+def write_chrome_trace(trace: dict[str, Any], path: str) -> str:
+    """Write a ``plan_chrome_trace`` dict as strict JSON (no NaN); returns ``path``.
+
+    Example::
+
+        >>> write_chrome_trace(plan_chrome_trace(plan), "plan.trace.json")   # doctest: +SKIP
+        'plan.trace.json'
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(trace, f, allow_nan=False)
     return path
 
 
@@ -143,6 +385,7 @@ def plan_summary(plan: Plan) -> str:
 
     Example::
 
+        >>> from autopar.planning.plan import Plan
         >>> print(plan_summary(Plan("g", "serial", (), (), (), ())).splitlines()[0])
         plan 'g'  policy=serial  nodes=0  syncs=0
     """

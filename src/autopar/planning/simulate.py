@@ -115,7 +115,9 @@ def prepare(graph: nx.DiGraph, prep: Prepared | None = None) -> Prepared:
 
 
 def edge_delay(src_stream: Stream, dst_stream: Stream, nbytes: int, machine) -> float:
-    """Extra latency of a data edge between two streams (0 on the same stream)."""
+    """Extra latency of a data edge between two streams: 0 on the same stream, else
+    ``sync_time``, plus ``transfer_time(nbytes)`` across devices. The one communication
+    rule of the planner: the simulator and the list scheduler both charge it."""
     if src_stream.id == dst_stream.id:
         return 0.0
     d = sync_time(machine)
@@ -214,20 +216,13 @@ def simulate(
     gil_owner: int | None = None
     gil_queue: list[int] = []
 
-    device = {sid: s.device for sid, s in smap.items()}
-    sync = sync_time(machine)
-
     def release(n: str) -> None:
-        sn = placement[n]
+        """``n`` finished at ``t``: each consumer is ready no earlier than ``t`` plus the
+        edge's ``edge_delay`` (the rule ``listsched.eft_schedule`` places by)."""
+        sn = smap[placement[n]]
         for v, nbytes in succ[n]:
             npred[v] -= 1
-            sv = placement[v]
-            if sv == sn:
-                d = t
-            elif device[sv] == device[sn]:
-                d = t + sync
-            else:
-                d = t + sync + transfer_time(nbytes, machine)
+            d = t + edge_delay(sn, smap[placement[v]], nbytes, machine)
             if d > ready[v]:
                 ready[v] = d
 

@@ -10,9 +10,9 @@
    in ``order``, so the union of stream order, syncs and data edges is then acyclic);
    when one goes backward, the cycle (if any) is reported;
 5. every cross-stream data dependency ``u -> v`` is covered: on one device, by a chain
-   of syncs and stream order (checked with vector clocks: ``v``'s stream must know that
-   ``u``'s stream got at least as far as ``u``); across devices, by its own sync (the
-   sync is also the copy);
+   of syncs and stream order (checked with ``clocks.VectorClocks``: ``v``'s stream must
+   know that ``u``'s stream got at least as far as ``u``); across devices, by its own sync
+   (the sync is also the copy);
 6. the predicted peak memory is within the budget.
 
 Example::
@@ -34,6 +34,7 @@ from collections import Counter, defaultdict
 import networkx as nx
 
 from autopar.errors import PlanError
+from autopar.planning.clocks import VectorClocks
 from autopar.planning.plan import Plan
 
 
@@ -133,16 +134,10 @@ def verify_plan(plan: Plan, graph: nx.DiGraph | None = None, memory_budget: int 
 
 
 def _check_coverage(plan: Plan, edges, place: dict[str, int]) -> None:
-    """Vector clocks: ``clock[n][s]`` is how far (index within stream ``s``) stream ``s``
-    is known to have got when ``n`` starts, through stream order and syncs."""
+    """Every cross-stream data edge ``u -> v`` is implied, when ``v`` starts, by stream order
+    and syncs (``clocks.VectorClocks``: ``v``'s stream knows ``u`` finished); a cross-device
+    edge also needs its own sync (the copy)."""
     device = {s.id: s.device for s in plan.streams}
-    sids = sorted(device)
-    col = {s: i for i, s in enumerate(sids)}
-    seq: dict[str, int] = {}
-    counters = dict.fromkeys(sids, 0)
-    for n in plan.order:
-        seq[n] = counters[place[n]]
-        counters[place[n]] += 1
     syncs_into = defaultdict(list)
     direct = set()
     for s in plan.syncs:
@@ -152,16 +147,11 @@ def _check_coverage(plan: Plan, edges, place: dict[str, int]) -> None:
     for u, v in edges:
         if place[u] != place[v]:
             preds[v].append(u)
-    known = {s: [-1] * len(sids) for s in sids}
-    clock: dict[str, list[int]] = {}
+    clocks = VectorClocks()
     for v in plan.order:
         sv = place[v]
-        c = list(known[sv])
         for u in syncs_into.get(v, ()):
-            c = [max(a, b) for a, b in zip(c, clock[u], strict=True)]
-        c[col[sv]] = seq[v]
-        clock[v] = c
-        known[sv] = c
+            clocks.wait(sv, u)
         for u in preds.get(v, ()):
             su = place[u]
             if device[su] != device[sv] and (u, v) not in direct:
@@ -171,10 +161,11 @@ def _check_coverage(plan: Plan, edges, place: dict[str, int]) -> None:
                     f"{device[sv]}) without a sync",
                     "add a Sync for every cross-device edge",
                 )
-            if c[col[su]] < seq[u]:
+            if not clocks.knows(sv, u):
                 _fail(
                     plan,
                     f"misses a sync: {v} (stream {sv}) reads {u} (stream {su}) and nothing "
                     "makes it wait for it",
                     f"add Sync({u!r}, {v!r}, {su}, {sv})",
                 )
+        clocks.run(sv, v)

@@ -351,10 +351,19 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 
     @staticmethod
     def _writes(in_tensors, versions, out_tensors) -> tuple[int, bool]:
-        """(bytes written, aliases an input): storage sharing + version counters.
+        """(bytes written, aliases an input) of the call that just ran, measured: storage
+        sharing + version counters.
 
         An output sharing storage with an input is a view, unless the operator wrote that
         input in place (its version counter moved), which writes the output's bytes.
+
+        This is not ``autopar.capture.analysis.buffer_analysis``, and does not reuse it:
+        that is the static, schema-based answer (the buffers a node *may* write or share,
+        on every run), which scheduling needs for correctness. This is what one call *did*,
+        in bytes, for the table's ``bytes_written`` (the cost model's memory traffic) and
+        ``is_view`` (liveness) columns: ``reshape`` or ``contiguous`` share their input's
+        storage only when no copy was needed, and call_method / call_module nodes have no
+        schema to read.
         """
         in_ptrs = {_storage_ptr(t) for t in in_tensors} - {0}
         mutated = {

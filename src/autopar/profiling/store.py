@@ -13,10 +13,12 @@ the target,
 argument shapes/dtypes/strides/devices and the intra-op thread count). ``calibration`` holds
 the cost model's microbenchmark constants.
 
-A file that cannot be trusted (not JSON, truncated, another format or version, measured on
-another machine or with another torch) is reported in one ``StoreWarning``, moved aside to
-``<name>.corrupt`` and re-measured; an I/O error never stops the user's run (the store keeps
-working in memory). Example::
+A file that cannot be trusted (not UTF-8 or not JSON, truncated, another format or version,
+measured on another machine or with another torch) is reported in one ``StoreWarning`` naming
+its backup, ``<name>.corrupt-<time>-<pid>``: a new name each time, so no backup is ever
+overwritten. Its operators are re-measured. Temporary files of a writer that was killed
+mid-write are removed by the next ``flush()``. An I/O error never stops the user's run (the
+store keeps working in memory). Example::
 
     >>> store = ProfileStore.memory()
     >>> store.put("0123456789abcdef", {"target": "aten.mm.default", "time_s": 1e-5})
@@ -36,7 +38,9 @@ import math
 import os
 import platform
 import re
+import socket
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +51,9 @@ STORE_FORMAT = "autopar-profile"
 STORE_VERSION = 1
 ENV_DIR = "AUTOPAR_PROFILE_DIR"
 DEFAULT_DIR = "profiles"
+#: A temporary file older than this is an orphan whatever its writer: a flush writes one JSON
+#: file, which takes well under a second.
+STALE_TMP_S = 300.0
 
 
 # -- machine identity ------------------------------------------------------------------------
@@ -285,10 +292,12 @@ class ProfileStore:
         )
 
     def _move_aside(self) -> str:
-        aside = f"{self.path}.corrupt"
+        assert self.path is not None
         try:
-            os.replace(self.path, aside)
-            return f"it was moved aside to {aside!r}"
+            aside = _backup(self.path)
+            return f"it was kept as {aside!r}"
+        except FileNotFoundError:  # another process backed it up (or replaced it) first
+            return "another process has moved it aside already"
         except OSError as e:
             return f"it could not be moved aside ({e.strerror or e}) and will be overwritten"
 
@@ -296,20 +305,26 @@ class ProfileStore:
         """Valid entries of the file on disk now; a bad file is reported and moved aside."""
         assert self.path is not None
         try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
+            with open(self.path, "rb") as f:
+                raw = f.read()
         except (FileNotFoundError, NotADirectoryError):  # nothing there yet: not a problem
             return {}, {}
-        except (OSError, UnicodeDecodeError) as e:
+        except OSError as e:
             self._warn(f"could not be read ({e})", "it is left in place")
             return {}, {}
-        problem = None
+        problem, data = None, None
         try:
-            data = json.loads(text)
-        except ValueError as e:
-            data = None
-            problem = "is not valid JSON (truncated or corrupted"
-            problem += f": {e})" if text.strip() else ": the file is empty)"
+            # Decoded here, not by open(): undecodable bytes are a bad file to back up, not
+            # an I/O error to leave in place (the next flush would overwrite it).
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            problem = f"is not UTF-8 text (byte {e.start}), so not a profile store"
+        else:
+            try:
+                data = json.loads(text)
+            except ValueError as e:
+                problem = "is not valid JSON (truncated or corrupted"
+                problem += f": {e})" if text.strip() else ": the file is empty)"
         if problem is None:
             problem = self._header_problem(data)
         if problem is not None:
@@ -380,8 +395,9 @@ class ProfileStore:
                     "calibration": dict(sorted(disk_cal.items())),
                 }
                 text = json.dumps(doc, indent=1, allow_nan=False)
+                _remove_orphaned_tmp(self.path)
                 fd, tmp = tempfile.mkstemp(
-                    prefix=os.path.basename(self.path) + ".", suffix=".tmp", dir=directory
+                    prefix=_tmp_prefix(self.path), suffix=".tmp", dir=directory
                 )
                 try:
                     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -403,6 +419,84 @@ class ProfileStore:
         self._calibration.update(disk_cal)
         self._dirty_ops.clear()
         self._dirty_cal.clear()
+
+
+# -- recovery: backups of bad files, orphaned temporary files ----------------------------------
+def _backup(path: str) -> str:
+    """Move ``path`` to a fresh ``<path>.corrupt-<YYYYmmdd-HHMMSS>-<pid>[-N]``; the name.
+
+    ``os.link`` fails instead of replacing an existing file, so even two processes backing up
+    at the same second never overwrite each other's (or an earlier) backup.
+    """
+    stem = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in range(1, 1000):
+        aside = stem if n == 1 else f"{stem}-{n}"
+        try:
+            os.link(path, aside)
+        except FileExistsError:
+            continue
+        except OSError:  # no hard links here (some network/FAT file systems): check, rename
+            if os.path.lexists(aside):
+                continue
+            os.rename(path, aside)
+            return aside
+        os.unlink(path)
+        return aside
+    raise FileExistsError(f"too many backups named {stem}-*")
+
+
+def _host_tag() -> str:
+    # Letters and digits only: the tag sits between '.' and '-' separators of the name.
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def _tmp_prefix(path: str) -> str:
+    """``<name>.<host>-<pid>.``: whoever finds the file later can tell if its writer lives."""
+    return f"{os.path.basename(path)}.{_host_tag()}-{os.getpid()}."
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would send Ctrl-C there: leave it to the age rule
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_orphaned_tmp(path: str, now: float | None = None) -> list[str]:
+    """Delete temporary files a killed writer of ``path`` left behind; the paths removed.
+
+    Orphans are ``<name>.<host>-<pid>.<random>.tmp`` files of this host whose writer process
+    is gone, and any ``<name>.*.tmp`` older than ``STALE_TMP_S`` (another host's writer, or a
+    reused pid). Called under the directory lock, so no writer that takes it is mid-write.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    base = re.escape(os.path.basename(path))
+    pattern = re.compile(rf"^{base}\.(?:(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)\.)?[^.]+\.tmp$")
+    now = time.time() if now is None else now
+    host, removed = _host_tag(), []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if m is None:
+            continue
+        full = os.path.join(directory, name)
+        try:
+            old = now - os.stat(full).st_mtime > STALE_TMP_S
+            dead = m["host"] == host and m["pid"] is not None and not _pid_alive(int(m["pid"]))
+            if old or dead:
+                os.unlink(full)
+                removed.append(full)
+        except OSError:  # gone already, or not ours to delete: leave it
+            continue
+    return removed
 
 
 @contextlib.contextmanager

@@ -5,14 +5,14 @@ random data of the actual shapes (throw-away copies of the weights; best of a fe
 the default intra-op thread count and at half of it. The whole unrolled module is timed as
 it is (no credit for concurrency: its per-step ops are dispatch/GIL bound). Fused and
 chunked pieces (one ``fused_lstm_layer`` / ``fused_gru_layer`` call each) are timed one
-call each and combined by a list-scheduling model of their dependency graph: either one
-stream at the default thread count (sum of the pieces) or two streams at half the threads
-(greedy earliest-finish schedule, one ``sync_s`` per cross-stream edge), each piece slowed
-by the measured speedup of two pieces run at once on two threads (a busy or shared second
-core gives ~1x, so concurrency is then not counted on). The lowest prediction wins; another
-form must beat ``fused`` by ``MARGIN`` (25%). Choices are cached in memory per shape key and
-thread count by the caller (not in the profile store: a choice depends on the machine's
-load).
+call each; their dependency graph is then handed to the planner's list scheduler and
+simulator (``autopar.planning.listsched.list_schedule``) twice: on one stream at the
+default thread count, and on two streams at half the threads (one ``sync_s`` per
+cross-stream edge), each piece slowed by the measured speedup of two pieces run at once on
+two threads (a busy or shared second core gives ~1x, so concurrency is then not counted
+on). The lower of the two predictions is the form's; another form must beat ``fused`` by
+``MARGIN`` (25%). Choices are cached in memory per shape key and thread count by the
+caller (not in the profile store: a choice depends on the machine's load).
 
 Example::
 
@@ -29,9 +29,13 @@ import threading
 import time
 from typing import NamedTuple
 
+import networkx as nx
 import torch
 from torch import nn
 
+from autopar.planning.costmodel import MachineModel
+from autopar.planning.listsched import list_schedule
+from autopar.planning.plan import Stream
 from autopar.rnn.cells import fused_lstm_layer
 from autopar.rnn.forms import _run_rnn
 from autopar.rnn.gru import fused_gru_layer
@@ -39,20 +43,30 @@ from autopar.rnn.gru import fused_gru_layer
 __all__ = ["RNNSpec", "choose_rnn_form", "measure_rnn_forms", "predict_rnn_form"]
 
 CHUNK_CANDIDATES = (2, 4)  # k the chooser tries
-# unrolled/chunked must be predicted this much faster than fused. 0.25, not less: on the
-# 2-core box (quiet, 2 threads) the model predicted chunked:2 ahead of fused at hidden 256
-# and 128, and it measured 0.87x and 0.71x of eager against fused 0.95x and 0.88x.
+# The simulator's inputs here are the measured piece times; these three constants cover
+# what it cannot see from them:
+#
+# unrolled/chunked must be predicted this much faster than fused: the simulator's error on
+# these piece schedules. 0.25, not less: on the 2-core box (quiet, 2 threads) the
+# prediction put chunked:2 ahead of fused at hidden 256 and 128, and it measured 0.87x and
+# 0.71x of eager against fused 0.95x and 0.88x.
 MARGIN = 0.25
-# ... and a chunked form run on ONE stream may be at most this much slower than fused. The
-# wavefront is only predicted here; the planner and the first-call measurement decide later
+# ... and a chunked form's simulated time on ONE stream may be at most this much above
+# fused's. The two-stream wavefront is only this simulation of the pieces; the planner,
+# from the per-op profile of the whole graph, and the first-call measurement decide later
 # whether the chunked graph really runs on two streams, and on the 2-core box they often
 # kept one: the chooser's chunked:2 picks then measured 0.84x and 0.82x of eager where
 # fused measured 0.96x and 0.92x (LSTM hidden 256 and 128). This bounds that downside.
 DOWNSIDE = 0.05
-# ... and chunked forms are candidates only from this many cores on. On the 2-core box the
-# chooser still picked chunked:2 at hidden 256 now and then (its fw+bw piece timings credit
-# the wavefront more than the planner's per-op profile does), and chunked forms measured
-# 0.74-0.88x of eager against fused 0.86-0.96x in every LSTM run (docs/benchmarks.md).
+# ... and chunked forms are candidates only from this many cores on. Below 4 cores the
+# simulated wavefront runs two ONE-thread streams, which the planner can only reproduce
+# with its 2x1 layout (every other op of the step single-threaded too) or its mixed layout
+# (a 2-thread and a 1-thread stream on 2 cores, oversubscribed: the simulator's
+# OVERSUBSCRIBED_TEAM_RATE): costs outside the pieces simulated here. On the 2-core box
+# the chooser still picked chunked:2 at hidden 256 now and then (its fw+bw piece timings
+# credit the wavefront more than the planner's per-op profile does), and chunked forms
+# measured 0.74-0.88x of eager against fused 0.86-0.96x in every LSTM run
+# (docs/benchmarks.md). Gating also saves timing their pieces at the first call.
 MIN_CORES_CHUNKED = 4
 SYNC_S = 50e-6  # one cross-stream handoff in the prediction (events + wake-up)
 REPS = 3  # timed reps per measurement (best of), after one warm-up
@@ -99,26 +113,31 @@ def _pieces(spec: RNNSpec, k: int):
     return out
 
 
-def _makespan(pieces, cost: dict, streams: int, sync_s: float) -> float:
-    """Greedy list schedule: the ready piece that can start first, on its fastest stream."""
-    free = [0.0] * streams
-    done: dict = {}  # piece -> (finish, stream)
-    todo = list(pieces)
-    while todo:
-        best = None
-        for i, (_, deps, shape) in enumerate(todo):
-            if any(d not in done for d in deps):
-                continue
-            for s in range(streams):
-                ready = max(
-                    [free[s]] + [done[d][0] + (sync_s if done[d][1] != s else 0.0) for d in deps]
-                )
-                if best is None or ready + cost[shape] < best[0]:
-                    best = (ready + cost[shape], s, i)
-        finish, s, i = best
-        free[s] = finish
-        done[todo.pop(i)[0]] = (finish, s)
-    return max(f for f, _ in done.values())
+def _threads() -> tuple[int, int]:
+    """(default intra-op threads, half of them): the two settings pieces are timed at."""
+    default = torch.get_num_threads()
+    return default, max(1, default // 2)
+
+
+def _simulated(pieces, cost: dict, streams: int, threads: int, sync_s: float) -> float:
+    """The planner's prediction (``listsched.list_schedule``) for ``pieces`` on ``streams``
+    CPU streams of ``threads`` threads each, a piece of shape ``s`` taking ``cost[s]``.
+
+    Simulator inputs: the measured piece times as the cost table, ``sync_s`` as the sync
+    cost, and at least as many cores as the default thread count (the pieces were timed at
+    that count, so their times already include any oversubscription it causes); with more
+    threads than cores the simulator charges the contention itself.
+    """
+    graph = nx.DiGraph()
+    for key, deps, _ in pieces:
+        graph.add_node(key)
+        graph.add_edges_from((d, key) for d in deps)
+    machine = MachineModel(
+        cores=max(_cores(), _threads()[0]), sync_cost_s=sync_s, source="rnn.choice"
+    )
+    costs = {("cpu", threads): {key: cost[shape] for key, _, shape in pieces}}
+    lanes = [Stream(i, "cpu", threads) for i in range(streams)]
+    return list_schedule(graph, lanes, machine, costs).makespan
 
 
 def predict_rnn_form(spec: RNNSpec, form: str, k: int, timings: dict, sync_s=SYNC_S) -> float:
@@ -126,22 +145,27 @@ def predict_rnn_form(spec: RNNSpec, form: str, k: int, timings: dict, sync_s=SYN
     ``timings``: ``"unrolled"`` -> (t_default, t_half) of the whole module,
     ``(input_size, steps)`` -> (t_default, t_half) of one fused call, and ``"pair"`` -> the
     measured speedup (1..2) of two such calls run at once on two threads vs one after the
-    other (1: the second core is busy or shared; concurrency buys nothing)."""
+    other (1: the second core is busy or shared; concurrency buys nothing).
+
+    The best of the simulated one-stream schedule at the default threads and two-stream
+    schedule at half the threads, each piece's half-thread time divided by
+    ``pair / 2`` there (the interference of two pieces at once, which the simulator's
+    contention model, oversubscription only, does not see)."""
     if form == "unrolled":
         return min(timings["unrolled"])
-    pieces = _pieces(spec, k if form == "chunked" else 1)
-    serial = sum(timings[shape][0] for _, _, shape in pieces)
-    if _cores() < 2:
-        return serial
+    serial = _serial_time(spec, form, k, timings, sync_s)
     slow = 2.0 / min(2.0, max(1.0, timings.get("pair", 2.0)))  # per piece, when overlapped
     half = {key: t[1] * slow for key, t in timings.items() if isinstance(key, tuple)}
-    return min(serial, _makespan(pieces, half, 2, sync_s))
-
-
-def _serial_time(spec: RNNSpec, form: str, k: int, timings: dict) -> float:
-    """The pieces of a fused/chunked form one after the other at the default threads."""
     pieces = _pieces(spec, k if form == "chunked" else 1)
-    return sum(timings[shape][0] for _, _, shape in pieces)
+    return min(serial, _simulated(pieces, half, 2, _threads()[1], sync_s))
+
+
+def _serial_time(spec: RNNSpec, form: str, k: int, timings: dict, sync_s=SYNC_S) -> float:
+    """The simulated pieces of a fused/chunked form on one stream at the default threads
+    (one after the other: the sum of their times)."""
+    pieces = _pieces(spec, k if form == "chunked" else 1)
+    default = {key: t[0] for key, t in timings.items() if isinstance(key, tuple)}
+    return _simulated(pieces, default, 1, _threads()[0], sync_s)
 
 
 def _chunked_candidates(spec: RNNSpec) -> bool:
@@ -162,10 +186,12 @@ def choose_rnn_form(spec: RNNSpec, timings: dict, sync_s=SYNC_S):
     if _chunked_candidates(spec):
         cands += [("chunked", k) for k in CHUNK_CANDIDATES if k <= spec.steps]
     pred = {c: predict_rnn_form(spec, *c, timings, sync_s) for c in cands}
-    fused_serial = _serial_time(spec, "fused", 1, timings)
+    fused_serial = _serial_time(spec, "fused", 1, timings, sync_s)
 
     def bounded(c) -> bool:  # see DOWNSIDE
-        return c[0] != "chunked" or _serial_time(spec, *c, timings) <= fused_serial * (1 + DOWNSIDE)
+        if c[0] != "chunked":
+            return True
+        return _serial_time(spec, *c, timings, sync_s) <= fused_serial * (1 + DOWNSIDE)
 
     fast = [
         c for c in cands[1:] if pred[c] < pred[("fused", 1)] * (1 - MARGIN) and bounded(c)
@@ -233,7 +259,7 @@ def _measure(spec: RNNSpec) -> dict:
 
     ks = (1, *CHUNK_CANDIDATES) if _chunked_candidates(spec) else (1,)
     shapes = {shape for k in ks for _, _, shape in _pieces(spec, k)}
-    half = max(1, torch.get_num_threads() // 2)
+    half = _threads()[1]
     timings: dict = {}
     with torch.enable_grad():
         for threads in (0, half):

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
 from autopar.tools import zoo
 from autopar.tools.args import positive_int
 
@@ -137,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="auto",
-        choices=["auto", "serial", "round_robin", "heft", "nimble"],
+        choices=SINGLE_DEVICE_POLICY_NAMES,
         help="autopar's partitioner (default auto: the one the simulator predicts fastest)",
     )
     parser.add_argument(

@@ -6,6 +6,12 @@ Examples::
     autopar plan autopar.tools.zoo:towers --input-shape 32,64 --streams 2 --gantt plan.png
     autopar bench --models inception,towers --steps 20
     autopar demo --steps 60
+    autopar --version
+
+A mistake on the command line (a bad option, a model that does not run on the given shapes)
+ends with exit status 2 and two lines on stderr: what was wrong and where to look. Any other
+failure ends with status 1 and two lines as well. ``--debug`` or ``AUTOPAR_DEBUG=1`` adds the
+full traceback.
 """
 
 from __future__ import annotations
@@ -14,30 +20,63 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 EPILOG = """MODULE:FACTORY names a zero-argument callable returning an nn.Module, e.g.
 autopar.tools.zoo:inception or mypkg.models:make_model (the current directory is importable)."""
 
+DEBUG_ENV = "AUTOPAR_DEBUG"
+DEBUG_HINT = f"rerun with --debug (or {DEBUG_ENV}=1) for the full traceback"
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for, found after parsing: reported like argparse's
+    own errors (exit status 2), without a traceback.
+
+    Example::
+
+        >>> raise UsageError("give at least one --input-shape")   # doctest: +SKIP
+    """
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors cut to two lines: the full usage of a subcommand wraps over
+    several lines and buries the one line that says what was wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\nsee '{self.prog} --help'\n")
+
+
+def _one_line(text: object) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _debug_requested(args) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
 
 def _load_factory(spec: str):
     if ":" not in spec:
-        raise SystemExit(
-            f"autopar: expected MODULE:FACTORY (e.g. autopar.tools.zoo:mlp), got {spec!r}"
-        )
+        raise UsageError(f"expected MODULE:FACTORY (e.g. autopar.tools.zoo:mlp), got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
-    sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:  # the user's own models live next to where they run
+        sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:
-        raise SystemExit(f"autopar: cannot import module {mod_name!r}: {exc}") from None
+        raise UsageError(f"cannot import module {mod_name!r}: {exc}") from None
     fn = getattr(mod, fn_name, None)
     if fn is None or not callable(fn):
-        raise SystemExit(f"autopar: {mod_name!r} has no callable {fn_name!r}")
+        raise UsageError(f"{mod_name!r} has no callable {fn_name!r}")
     import torch.nn as nn
 
-    model = fn()
+    try:
+        model = fn()
+    except Exception as exc:
+        raise UsageError(f"{spec}() raised {type(exc).__name__}: {_one_line(exc)}") from exc
     if not isinstance(model, nn.Module):
-        raise SystemExit(f"autopar: {spec} returned {type(model).__name__}, not an nn.Module")
+        raise UsageError(f"{spec} returned {type(model).__name__}, not an nn.Module")
     return model
 
 
@@ -46,18 +85,20 @@ def _shape(text: str) -> tuple[int, ...]:
         dims = tuple(int(d) for d in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--input-shape takes comma-separated ints like 16,32,64, got {text!r}"
+            f"expected comma-separated ints like 16,32,64, got {text!r}"
         ) from None
     if not dims or any(d <= 0 for d in dims):
-        raise argparse.ArgumentTypeError(f"--input-shape dims must be positive, got {text!r}")
+        raise argparse.ArgumentTypeError(f"dims must be positive, got {text!r}")
     return dims
 
 
-def _inputs(args):
+def _shapes_text(args) -> str:
+    return " ".join(f"--input-shape {','.join(map(str, s))}" for s in args.input_shape)
+
+
+def _inputs(args) -> tuple:
     import torch
 
-    if not args.input_shape:
-        raise SystemExit("autopar: give at least one --input-shape (one per model input)")
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     if dtype.is_floating_point:
@@ -65,7 +106,45 @@ def _inputs(args):
     return tuple(torch.randint(0, 10, s, dtype=dtype) for s in args.input_shape)
 
 
+def _model_and_inputs(args):
+    """The model and its example inputs, checked by one eager forward before any profiling:
+    a shape or dtype that does not fit fails here in one line, not deep inside tracing."""
+    import torch
+
+    if not args.input_shape:
+        raise UsageError("give at least one --input-shape (one per model input), e.g. 16,32")
+    model = _load_factory(args.model)
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = getattr(torch, args.dtype)
+    if dtype.is_floating_point and param is not None and param.dtype != dtype:
+        have = str(param.dtype).removeprefix("torch.")
+        raise UsageError(
+            f"--dtype {args.dtype} does not match the model's {have} parameters (autopar runs "
+            f"the model as its factory returns it): pass --dtype {have}, or make "
+            f"{args.model} return a {args.dtype} model"
+        )
+    inputs = _inputs(args)
+    saved = [b.detach().clone() for b in model.buffers()]
+    try:
+        # fork_rng and the buffer restore keep the check from changing what is profiled
+        # (dropout draws, BatchNorm running statistics).
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model(*inputs)
+    except Exception as exc:
+        raise UsageError(
+            f"{args.model} does not run on {_shapes_text(args)} ({args.dtype}): "
+            f"{type(exc).__name__}: {_one_line(exc)}; pass the shape(s) its forward expects"
+        ) from exc
+    finally:
+        with torch.no_grad():
+            for b, old in zip(model.buffers(), saved, strict=True):
+                b.copy_(old)
+    return model, inputs
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from autopar.tools.args import INPUT_DTYPES, dtype_name
+
     p.add_argument("model", metavar="MODULE:FACTORY", help="callable returning the nn.Module")
     p.add_argument(
         "--input-shape",
@@ -74,7 +153,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="D0,D1,...",
         help="shape of one example input (repeat for several inputs)",
     )
-    p.add_argument("--dtype", default="float32", help="dtype of the example inputs")
+    p.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default="float32",
+        help=f"dtype of the example inputs, one of {', '.join(INPUT_DTYPES)} (default float32; "
+        "a floating dtype must match the model's parameters)",
+    )
+
+
+def _add_debug_arg(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        default=default,
+        help=f"on an error, print the full traceback (also: {DEBUG_ENV}=1)",
+    )
 
 
 def cmd_profile(args) -> int:
@@ -82,8 +176,9 @@ def cmd_profile(args) -> int:
     from autopar.profiling.profiler import profile_table_summary
     from autopar.profiling.store import ProfileStore
 
+    model, inputs = _model_and_inputs(args)
     store = ProfileStore(args.out)
-    table = profile(_load_factory(args.model), *_inputs(args), store=store)
+    table = profile(model, *inputs, store=store)
     print(profile_table_summary(table, top=args.top))
     store.flush()
     print(f"\nprofile store: {store.path} ({len(store)} operator signatures)")
@@ -96,16 +191,14 @@ def cmd_profile(args) -> int:
 def cmd_plan(args) -> int:
     from autopar.api import plan
 
-    p = plan(
-        _load_factory(args.model),
-        *_inputs(args),
-        streams=args.streams,
-        policy=args.policy,
-        store=args.store,
-    )
+    model, inputs = _model_and_inputs(args)
+    p = plan(model, *inputs, streams=args.streams, policy=args.policy, store=args.store)
     print(p.summary())
     if args.gantt:
-        print(f"Gantt chart: {p.gantt(args.gantt)}")
+        print(f"Gantt chart: {p.gantt(args.gantt, title=args.model)}")
+    if args.trace:
+        p.to_chrome_trace(args.trace)
+        print(f"timeline trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if args.json:
         with open(args.json, "w") as f:
             f.write(p.to_json(indent=1))
@@ -125,12 +218,36 @@ def cmd_demo(args) -> int:
     return demo_main(args)
 
 
+def _version() -> str:
+    import platform
+
+    import torch
+
+    import autopar
+
+    python = platform.python_version()
+    return f"autopar {autopar.__version__} (torch {torch.__version__}, Python {python})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``autopar`` argument parser (subcommands profile, plan, bench, demo).
+
+    Example::
+
+        >>> build_parser().parse_args(["plan", "m:f", "--input-shape", "4,8"]).streams is None
+        True
+    """
+    from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
+    from autopar.tools.args import image_file, output_file, positive_int, store_path
+    parser = _Parser(
         prog="autopar",
         description="Operator-profiling auto-parallelization compiler for PyTorch training.",
         epilog=EPILOG,
     )
+    parser.add_argument(
+        "--version", action="version", version=_version(), help="print the versions and exit"
+    )
+    _add_debug_arg(parser, False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -140,25 +257,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(p)
     p.add_argument(
-        "--out", default=None, help="store: a .json file or a directory (default ./profiles)"
+        "--out",
+        type=store_path,
+        default=None,
+        help="store: a .json file or a directory (default ./profiles)",
     )
-    p.add_argument("--top", type=int, default=10, help="how many top operators to print")
-    p.add_argument("--csv", default=None, help="also write the whole profile table as CSV")
-    p.set_defaults(func=cmd_profile)
+    p.add_argument("--top", type=positive_int, default=10, help="how many top operators to print")
+    p.add_argument(
+        "--csv", type=output_file, default=None, help="also write the whole profile table as CSV"
+    )
+    p.set_defaults(func=cmd_profile, parser=p)
 
     p = sub.add_parser("plan", help="plan a model and print/draw the plan", epilog=EPILOG)
     _add_model_args(p)
-    p.add_argument("--streams", type=int, default=None, help="streams to plan for")
+    p.add_argument("--streams", type=positive_int, default=None, help="streams to plan for")
     p.add_argument(
         "--policy",
         default="auto",
-        choices=["auto", "serial", "round_robin", "heft", "nimble"],
+        choices=SINGLE_DEVICE_POLICY_NAMES,
         help="partitioner (auto: the one the simulator predicts fastest)",
     )
-    p.add_argument("--store", default=None, help="profile store (.json file or directory)")
-    p.add_argument("--gantt", default=None, help="write the Gantt chart PNG here")
-    p.add_argument("--json", default=None, help="write plan.json here")
-    p.set_defaults(func=cmd_plan)
+    p.add_argument(
+        "--store", type=store_path, default=None, help="profile store (.json file or directory)"
+    )
+    p.add_argument(
+        "--gantt", type=image_file, default=None, help="write the Gantt chart (.png/.svg/.pdf) here"
+    )
+    p.add_argument(
+        "--trace",
+        type=output_file,
+        default=None,
+        help="write the predicted timeline as a Chrome trace (JSON, opens in Perfetto) here",
+    )
+    p.add_argument("--json", type=output_file, default=None, help="write plan.json here")
+    p.set_defaults(func=cmd_plan, parser=p)
 
     p = sub.add_parser(
         "bench", help="time the training step of eager, torch.compile and autopar; print ratios"
@@ -166,19 +298,64 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.tools.bench import add_arguments as bench_args
 
     bench_args(p)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, parser=p)
 
     p = sub.add_parser("demo", help="train a character-level LSTM with eager and autopar")
     from autopar.tools.demo import add_arguments as demo_args
 
     demo_args(p)
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, parser=p)
+    for p in sub.choices.values():
+        # SUPPRESS: a subcommand's default must not undo `autopar --debug COMMAND`.
+        _add_debug_arg(p, argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error).
+
+    Example::
+
+        >>> main(["plan", "autopar.tools.zoo:mlp", "--input-shape", "16,32"])  # doctest: +SKIP
+        0
+    """
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser: argparse.ArgumentParser = args.parser
+    debug = _debug_requested(args)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        if debug:
+            traceback.print_exc()
+        parser.error(str(exc))  # exits with status 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        return _report(parser.prog, exc, debug)
+    return 0  # unreachable: parser.error exits
+
+
+def _report(prog: str, exc: Exception, debug: bool) -> int:
+    """Two lines for an error that escaped a command: autopar's own errors (a model it
+    cannot capture, a plan that cannot meet the constraints) are the user's to fix (2);
+    anything else is a failure (1) whose traceback a bug report needs."""
+    from autopar.errors import AutoparError
+
+    if debug:
+        traceback.print_exc()
+    if isinstance(exc, AutoparError):
+        what, status = f"error: {_one_line(exc)}", 2
+    elif isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        what, status = f"error: {exc.strerror or _one_line(exc)}{where}", 1
+    else:
+        what, status = f"failed: {type(exc).__name__}: {_one_line(exc)}", 1
+    print(f"{prog}: {what}", file=sys.stderr)
+    print(f"{prog}: {'see the traceback above' if debug else DEBUG_HINT}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The safety net: whole eager and compiled steps race, and a slower compiled path loses."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.profiling.store import ProfileStore
+from autopar.runtime.race import SAMPLES, StepRace
+
+
+def test_race_alternates_then_keeps_the_faster():
+    race = StepRace()
+    t, picks = 0.0, []
+    for _ in range(2 + 2 * SAMPLES + 4):
+        who = race.choose("k", t)
+        picks.append(who)
+        t += 1.0 if who == "compiled" else 2.0  # compiled steps take half the time
+    assert picks[0] == "compiled"  # the first step compiles
+    assert set(picks[1:5]) == {"eager", "compiled"}  # then they alternate
+    assert picks[-4:] == ["compiled"] * 4
+    verdict, why = race.report()["k"]
+    assert verdict == "compiled" and "eager" in why
+
+
+def test_dirty_steps_do_not_count_and_reset_races_again():
+    race = StepRace(samples=1)
+    race.choose("k", 0.0)
+    race.mark_dirty("k")
+    assert race.choose("k", 100.0) == "eager"  # the dirty first step was not a sample
+    assert race.choose("k", 101.0) == "compiled"
+    assert race.choose("k", 103.0) == "eager"  # compiled 2 s vs eager 1 s: eager wins
+    assert race.report()["k"][0] == "eager"
+    race.reset()
+    assert race.report()["k"][0] is None
+
+
+def test_slow_compiled_program_hands_training_to_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False)
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    x = torch.randn(4, 8)
+    for step in range(2 * SAMPLES + 6):
+        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 0:  # inject: every compiled graph now takes 20 ms longer
+            for r in cmodel._autopar_pipeline.records:
+                r.runner = lambda a, f=r.runner: (time.sleep(0.02), f(a))[1]
+    (verdict, why), = cmodel._autopar_pipeline.race.report().values()
+    assert verdict == "eager", why
+    assert "-> eager" in autopar.explain(cmodel)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # training went on correctly
