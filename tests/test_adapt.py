@@ -219,3 +219,25 @@ def test_no_fallback_warnings_with_adapt_on():
         from oracle import check_training
 
         check_training(model, (x,), lambda m: _compile(m, adapt=autopar.AdaptOptions()))
+
+
+def test_one_noisy_window_does_not_replan():
+    """Hysteresis: a slowdown lasting one window (a neighbour process) changes nothing; the
+    same slowdown sustained over ``confirm_windows`` windows re-profiles."""
+    model = TwoBranch()
+    x, z = _inputs()
+    opts = autopar.AdaptOptions(window=3, warmup=1, threshold=2.5, confirm_windows=2)
+    cm = _compile(copy.deepcopy(model), policy="heft", adapt=opts)
+    for _ in range(5):  # warm-up and baseline
+        cm(x, z).backward()
+    rec = {r.tag: r for r in cm._autopar_pipeline.records}["g0.fw"]
+    stale = rec.plan.plan_hash
+    adapt.inject_slowdown(cm, target="aten.mm.default", factor=100.0)
+    for _ in range(opts.window):  # exactly one slow window
+        cm(x, z).backward()
+    adapt.inject_slowdown(cm, target="aten.mm.default", factor=1.0)
+    for _ in range(2 * opts.window):
+        cm(x, z).backward()
+        adapt.wait(cm)
+    assert rec.plan.plan_hash == stale
+    assert not autopar.stats(cm).event.str.contains("re-profil|re-plan").any()

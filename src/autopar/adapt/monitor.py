@@ -79,12 +79,16 @@ class AdaptOptions:
     warmup: int = 4  # calls ignored after a (re)plan is installed (caches, worker start-up)
     sample_every: int = 16  # time each stream function on every N-th call (0: never)
     max_replans: int = 3  # per graph; then it keeps its last plan (logged once)
+    # hysteresis: this many consecutive, disjoint windows must all drift (the same way)
+    # before a re-profile; one noisy window (a neighbour process) never churns programs
+    confirm_windows: int = 2
     background: bool = True  # plan + codegen of a re-plan in a background thread
     watch_threads: bool = True  # re-plan when torch.get_num_threads() changes
     history: int = 20000  # graph-call rows kept for stats()
 
     def __post_init__(self):
-        if self.window < 1 or self.warmup < 0 or self.max_replans < 0 or self.sample_every < 0:
+        if self.window < 1 or self.warmup < 0 or self.max_replans < 0 or self.sample_every < 0 \
+                or self.confirm_windows < 1:
             raise ValueError(f"AdaptOptions: need window >= 1 and counts >= 0, got {self}")
         if not self.threshold > 1.0:
             raise ValueError(f"AdaptOptions.threshold must be > 1.0, got {self.threshold}")
@@ -114,6 +118,7 @@ class _GraphState:
 
     def reset(self) -> None:
         self.ratios: deque[float] = deque()
+        self.drifting = 0  # consecutive drifting windows: + slower, - faster than baseline
         self.since_plan = 0
         self.threads = torch.get_num_threads()
 
@@ -283,15 +288,20 @@ class Monitor:
         if len(st.ratios) < opts.window:
             return
         med = statistics.median(st.ratios)
+        st.ratios.clear()  # windows are disjoint: each call counts in one verdict
         if st.baseline is None:
             st.baseline = med
-            st.ratios.clear()
             return
         drift = med / st.baseline
-        if drift > opts.threshold or drift < 1.0 / opts.threshold:
+        way = 1 if drift > opts.threshold else -1 if drift < 1.0 / opts.threshold else 0
+        st.drifting = st.drifting + way if way and (st.drifting * way) >= 0 else way
+        if abs(st.drifting) >= opts.confirm_windows:
+            st.drifting = 0
             self._drifted(
-                record, st, f"measured/predicted {drift:.2f}x the baseline over {opts.window} calls"
-            )
+                record, st,
+                f"measured/predicted {drift:.2f}x the baseline over {opts.confirm_windows} "
+                f"windows of {opts.window} calls",
+            )  # fmt: skip
 
     def _drifted(self, record, st: _GraphState, reason: str) -> None:
         if st.replans >= self.options.max_replans:
