@@ -47,6 +47,7 @@ class Pipeline:
         register_cache_size(cache_size)
         self.race = StepRace(enabled=getattr(options, "race", True))
         self.key = None  # the input signature of the step that runs now
+        self._rnn_present: bool | None = None
         from autopar.rnn.fuse import fuse_cell_loops
 
         self.capture = Capture(
@@ -54,6 +55,16 @@ class Pipeline:
         )
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
+
+    def _has_rnn(self, model: nn.Module) -> bool:
+        """Whether ``model`` holds an RNN module to rewrite; looked up once (walking every
+        module on every call cost 134 us a step on BERT, which has none). A model that
+        gains an RNN later runs it as Dynamo does: correct, just not rewritten."""
+        if self._rnn_present is None:
+            from autopar.rnn.cells import RNN_MODULE_TYPES
+
+            self._rnn_present = any(isinstance(m, RNN_MODULE_TYPES) for m in model.modules())
+        return self._rnn_present
 
     @property
     def records(self) -> list[GraphRecord]:
@@ -79,7 +90,7 @@ class Pipeline:
             return model(*args, **kwargs)
         self.monitor.begin_step(key, lambda: describe_key(key))
         with dynamo_limit():
-            if self.options.rnn == "unroll":
+            if self.options.rnn == "unroll" and self._has_rnn(model):
                 from autopar.rnn.rewrite import rewrite_rnns
 
                 with rewrite_rnns(model):
