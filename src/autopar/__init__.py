@@ -22,6 +22,7 @@ from autopar.api import (
     graphs,
     plan,
     profile,
+    wait,
 )
 from autopar.parallel.step import compile_step
 from autopar.planning.plan import Plan, Stream, Sync
@@ -43,4 +44,5 @@ __all__ = [
     "plan",
     "profile",
     "stats",
+    "wait",
 ]

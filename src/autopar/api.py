@@ -42,6 +42,8 @@ class CompileOptions:
     adapt: Any = True  # True, False (no monitor) or an autopar.adapt.monitor.AdaptOptions
     cache_size: int = 8  # plans kept per input signature (LRU; see autopar.adapt.monitor.PlanCache)
     race: bool = True  # race whole eager and compiled steps first; keep the faster (runtime.race)
+    inductor: bool | None = None  # Inductor as a tier; None: $AUTOPAR_INDUCTOR, default on
+    background: bool = True  # compile slow tiers in another process while training starts
 
     def __post_init__(self):
         if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
@@ -114,6 +116,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     adapt: bool | AdaptOptions = True,
     cache_size: int = 8,
     race: bool = True,
+    inductor: bool | None = None,
+    background: bool = True,
 ) -> CompiledModule:
     """Compile ``model`` for parallel training. Lazy: the work happens on the first call.
 
@@ -142,6 +146,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         race: the safety net (``autopar.runtime.race``): the first steps of each input
             signature alternate whole eager and compiled steps, and the module keeps the
             faster; ``explain`` says which and why. ``False``: always compiled.
+        inductor: also compile each graph whole with Inductor and swap it in where it
+            measures faster (``autopar.runtime.tiers``). Default ``$AUTOPAR_INDUCTOR``, on.
+        background: ``True``: training starts at once on the planned programs while the
+            Inductor compiles run in another process; each lands at a later call.
+            ``False``: everything is compiled and measured before the first step returns.
+            ``autopar.wait(cmodel)`` blocks until background work is done.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(
@@ -152,7 +162,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         return model
     options = CompileOptions(
         streams, policy, store, memory_budget, rnn, debug_dir, adapt=adapt, cache_size=cache_size,
-        race=race,
+        race=race, inductor=inductor, background=background,
     )
     return CompiledModule(model, options)
 
@@ -173,6 +183,22 @@ def graphs(cmodel: CompiledModule) -> list:
     return [r.unit for r in cmodel._autopar_pipeline.records]
 
 
+def wait(cmodel: CompiledModule, timeout: float | None = None) -> bool:
+    """Block until ``cmodel``'s background work (Inductor compiles, re-plans) is done; each
+    finished tier is measured and, if faster, swapped in at its graph's next call. Returns
+    False if ``timeout`` (seconds) passed first. For benchmarks and tests.
+
+    Example::
+
+        cmodel = autopar.compile(model)
+        train_step(cmodel)          # starts at once on the planned programs
+        autopar.wait(cmodel)        # the Inductor tier is compiled; it lands next step
+    """
+    if not isinstance(cmodel, CompiledModule):
+        raise TypeError(f"wait() expects the result of autopar.compile, got {type(cmodel)}")
+    return cmodel._autopar_pipeline.wait(timeout)
+
+
 def explain(cmodel: CompiledModule) -> str:
     """The exact source of the program(s) that run, one per captured graph.
 
@@ -188,6 +214,7 @@ def explain(cmodel: CompiledModule) -> str:
         + (f"{verdict} ({why})" if verdict else why)
         for k, (verdict, why) in pipeline.race.report().items()
     ]
+    parts += [f"# tier {e}" for e in (pipeline.tiers.events if pipeline.tiers else ())]
     for r in records:
         if r.program is not None:
             parts.append(r.program.source)

@@ -28,6 +28,7 @@ from autopar.adapt.monitor import (
 from autopar.capture.backend import Capture, GraphRecord
 from autopar.errors import warn_fallback
 from autopar.runtime.race import StepRace
+from autopar.runtime.tiers import Tiers
 
 #: Interleaved timed runs per candidate program at the first call (best of them counts).
 MEASURE_ROUNDS = 3
@@ -51,8 +52,9 @@ class Pipeline:
         from autopar.rnn.fuse import fuse_cell_loops
 
         self.capture = Capture(
-            prepare=self.prepare, on_call=self.monitor.on_call, graph_passes=(fuse_cell_loops,)
+            prepare=self.prepare, on_call=self.on_call, graph_passes=(fuse_cell_loops,)
         )
+        self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
 
@@ -143,10 +145,32 @@ class Pipeline:
             fn = record.gm.forward
             return out, (lambda a: fn(*a))
         record.advance("choose", plan=plan, program=program, executor="plan")
+        fn = program.fn
+        record.runner = lambda a: fn(*a)
+        if self.tiers is not None:
+            self.tiers.start(record, args)  # background=False: compiles and measures now
         self.monitor.compiled(record, time.perf_counter() - t0)
         _write_debug(record, debug_dir)
-        fn = program.fn
-        return out, (lambda a: fn(*a))
+        return out, record.runner
+
+    def on_call(self, record: GraphRecord, runner, args):
+        """Every call after a graph's first: land a faster tier when one is ready (between
+        two calls of the graph), then let the monitor time the call."""
+        if self.tiers is not None:
+            self.tiers.maybe_land(record, args)
+            if record.runner is not runner:  # a tier landed: measure everything afresh
+                runner = record.runner
+                self.race.reset()
+                self.race.mark_dirty(self.key)
+                self.monitor.rebaseline(record)
+        return self.monitor.on_call(record, runner, args)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until background compiles are done (each lands at its graph's next call)
+        and background re-plans are ready. True when nothing is left pending."""
+        done = self.tiers.wait(self.records, timeout) if self.tiers is not None else True
+        self.monitor.wait(timeout)
+        return done
 
     def confirm_by_measurement(self, record: GraphRecord, table, args, plan, program):
         """Measure, don't assume: time the chosen multi-stream program against the serial
@@ -216,6 +240,15 @@ class Pipeline:
         record.advance("plan", t2 - t1, plan.policy)
         record.advance("codegen", time.perf_counter() - t2)
         return plan, program
+
+
+def _inductor(options) -> bool:
+    """Whether Inductor is a tier: ``options.inductor``, else ``$AUTOPAR_INDUCTOR`` (default
+    on; the test suite turns it off so that only the tests of Inductor pay its compiles)."""
+    flag = getattr(options, "inductor", None)
+    if flag is None:
+        flag = os.environ.get("AUTOPAR_INDUCTOR", "1") not in ("0", "false", "off", "")
+    return bool(flag)
 
 
 def _write_debug(record: GraphRecord, debug_dir: str | None) -> None:

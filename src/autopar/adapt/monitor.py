@@ -200,6 +200,13 @@ class Monitor:
             )  # fmt: skip
             st.event = ""
 
+    def rebaseline(self, record) -> None:
+        """``record`` runs something new (a tier landed): measure a fresh baseline."""
+        st = self._states.get(id(record))
+        if st is not None:
+            st.baseline, st.timed_spec = None, None
+            st.reset()
+
     def on_call(self, record, runner, args):
         """``capture.OnCall``: time the call (re-profile instead when it drifted)."""
         if self.key is not None:
@@ -276,6 +283,8 @@ class Monitor:
         )  # fmt: skip
         if plan is None or not ratio == ratio or st.reason is not None or st.busy:
             return
+        if record.executor != "plan":
+            return  # drift and re-planning concern planned programs (not Inductor's code)
         st.since_plan += 1
         if opts.watch_threads and torch.get_num_threads() != st.threads:
             self._drifted(record, st, f"intra-op threads {st.threads} -> {torch.get_num_threads()}")

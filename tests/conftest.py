@@ -1,0 +1,7 @@
+"""Suite-wide defaults. Inductor is a tier of every compiled model in production; here it
+is off unless a test asks for it (``autopar.compile(..., inductor=True)``), so that only the
+tests of Inductor pay its 20-40 s cold compiles on a 2-core machine."""
+
+import os
+
+os.environ.setdefault("AUTOPAR_INDUCTOR", "0")
