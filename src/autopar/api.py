@@ -13,7 +13,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,10 +100,23 @@ class CompiledModule(nn.Module):
     def __repr__(self) -> str:
         return f"autopar.compile({self._orig_mod!r})"
 
+    def __reduce__(self):
+        """``copy.deepcopy``, ``pickle`` and ``torch.save`` work as on a ``torch.compile``d
+        module: the copy is the user's module (copied) compiled afresh with the same
+        options; compiled state (graphs, plans, threads, locks) is rebuilt lazily."""
+        opts = self._autopar_options
+        if not isinstance(opts.store, (str, os.PathLike, type(None))):
+            opts = dataclasses.replace(opts, store=getattr(opts.store, "path", None))
+        return (_recompile, (self._orig_mod, opts))
+
     # -- the call ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         _check_inputs(self._orig_mod, self._autopar_signature, args, kwargs)
         return self._autopar_pipeline.call(self._orig_mod, self._autopar_compiled, args, kwargs)
+
+
+def _recompile(model: nn.Module, options: CompileOptions) -> CompiledModule:
+    return CompiledModule(model, options)
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

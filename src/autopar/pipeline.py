@@ -15,6 +15,7 @@ import os
 import time
 import warnings
 
+import torch
 import torch.nn as nn
 
 from autopar.adapt.monitor import (
@@ -88,7 +89,7 @@ class Pipeline:
         key = input_key(model, args, kwargs)
         self.key = key
         t0 = time.perf_counter()
-        if self.race.choose(key, t0) == "eager":
+        if self.race.choose(key, t0) == "eager" or _empty_batch(args, kwargs):
             return model(*args, **kwargs)
         self.monitor.begin_step(key, lambda: describe_key(key))
         with dynamo_limit():
@@ -240,6 +241,13 @@ class Pipeline:
         record.advance("plan", t2 - t1, plan.policy)
         record.advance("codegen", time.perf_counter() - t2)
         return plan, program
+
+
+def _empty_batch(args, kwargs) -> bool:
+    """An input with no elements (a batch of 0): nothing to parallelize, and eager handles
+    every such edge case (an empty ``nn.LSTM`` batch, say) that tracing might not."""
+    values = (*args, *kwargs.values())
+    return any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in values)
 
 
 def _inductor(options) -> bool:

@@ -96,15 +96,22 @@ def register_cache_size(cache_size: int) -> None:
 
 
 def dynamo_limit():
-    """A context for one compiled call: Dynamo stops compiling a code object after
-    ``recompile_limit`` graphs (then runs it eagerly), counting the graphs of *every*
-    instance of a class against one limit. Inside the call the limit is at least the sum of
-    ``cache_size`` over the modules compiled so far, so every cached signature of every
-    compiled module gets its graph; the process-wide setting is restored on exit."""
+    """The Dynamo settings for one compiled call (restored on exit: the process-wide
+    settings are never left changed).
+
+    * Dynamo stops compiling a code object after ``recompile_limit`` graphs (then runs it
+      eagerly), counting the graphs of *every* instance of a class against one limit.
+      Inside the call the limit is at least the sum of ``cache_size`` over the modules
+      compiled so far, so every cached signature of every compiled module gets its graph.
+    * ``skip_nnmodule_hook_guards=False``: a hook added to a submodule after the first call
+      recompiles, as in eager it takes effect at once (Dynamo's default skips those guards
+      for speed and silently ignores such hooks)."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     want = _limit_total[0]
-    changes = {}
+    changes: dict = {}
+    if getattr(cfg, "skip_nnmodule_hook_guards", False):
+        changes["skip_nnmodule_hook_guards"] = False
     if getattr(cfg, name) < want:
         changes[name] = want
     acc = getattr(cfg, "accumulated_recompile_limit", None)

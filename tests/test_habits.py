@@ -1,0 +1,88 @@
+"""PyTorch habits work as in eager: hooks added after the first call, copying and saving the
+compiled module, empty batches, and a cold compile that leaves the user's RNG alone."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.profiling.store import ProfileStore
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _compile(m):
+    return autopar.compile(m, store=ProfileStore.memory(), race=False)
+
+
+def test_hooks_added_after_the_first_call_take_effect():
+    x = torch.randn(4, 8)
+    m = _mlp()
+    cm = _compile(m)
+    cm(x)
+    h1 = m[0].register_forward_hook(lambda mod, i, o: o * 10)
+    torch.testing.assert_close(cm(x), m(x))
+    h2 = m[2].register_forward_pre_hook(lambda mod, i: (i[0] + 1,))
+    torch.testing.assert_close(cm(x), m(x))
+    h1.remove()
+    h2.remove()
+    torch.testing.assert_close(cm(x), m(x))
+
+
+def test_deepcopy_pickle_and_torch_save_work():
+    x = torch.randn(4, 8)
+    m = _mlp()
+    cm = _compile(m)
+    want = cm(x)
+    for copied in (
+        copy.deepcopy(cm),
+        pickle.loads(pickle.dumps(cm)),
+        torch.load(io.BytesIO(_saved(cm)), weights_only=False),
+    ):
+        assert isinstance(copied, autopar.CompiledModule)
+        torch.testing.assert_close(copied(x), want)
+        assert copied._orig_mod is not m  # a copy, not the same Parameters
+
+
+def _saved(module) -> bytes:
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    return buf.getvalue()
+
+
+def test_empty_batch_returns_what_eager_returns():
+    lstm = nn.LSTM(8, 16)
+    out, (h, c) = _compile(lstm)(torch.randn(5, 0, 8))
+    assert out.shape == (5, 0, 16) and h.shape == (1, 0, 16)
+
+
+def test_cold_compile_leaves_the_users_rng_stream_alone():
+    # A fresh process: nothing calibrated or cached yet (the cold path of a first compile).
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, autopar
+        from autopar.profiling.store import ProfileStore
+        def run(compiled):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+            if compiled:
+                m = autopar.compile(m, store=ProfileStore.memory(), race=False)
+            m(torch.randn(4, 8)).sum().backward()
+            return torch.rand(3)
+        print(torch.equal(run(True), run(False)))
+        """
+    )
+    env_out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert env_out.stdout.strip().splitlines()[-1] == "True", env_out.stderr[-2000:]
