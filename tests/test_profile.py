@@ -19,7 +19,18 @@ from autopar.profiling.profiler import COLUMNS, profile_graph, profile_table_sum
 from autopar.profiling.store import ProfileStore
 
 prof = importlib.import_module("autopar.profiling.profiler")
+timing = importlib.import_module("autopar.profiling.timing")
 FAST = {"warmup": 1, "repeats": 1}  # timing quality is not what these tests check
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Every sample counts as undisturbed and no spread is too large: these tests check what
+    the profiler does with measurements, and the shared test machine is rarely idle (a
+    provisional entry would be measured again, which some tests count). The contention rules
+    themselves are tested in tests/test_timing.py with fake samples."""
+    monkeypatch.setattr(timing, "_is_disturbed", lambda wall, cpu, preempted: False)
+    monkeypatch.setattr(timing, "SPREAD_LIMIT", math.inf)
 
 
 def _same(a, b) -> bool:
@@ -76,8 +87,8 @@ def test_edges_are_consistent():
 
 def test_repeated_signatures_are_measured_once(monkeypatch):
     calls = []
-    real = prof._time_calls
-    monkeypatch.setattr(prof, "_time_calls", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prof.measure_op
+    monkeypatch.setattr(prof, "measure_op", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def chain(x, w):
         for _ in range(32):
@@ -93,15 +104,14 @@ def test_repeated_signatures_are_measured_once(monkeypatch):
     assert mm.cached.tolist() == [False] + [True] * 31
     assert mm.time_s.nunique() == 1  # the one measurement is reused
     assert df.attrs["measured"] == 1
-    per_signature = 2 if torch.get_num_threads() > 1 else 1  # default threads + 1 thread
-    assert len(calls) == per_signature
+    assert len(calls) == 1  # one record: both thread settings
 
 
 def test_store_round_trip_second_run_measures_nothing(tmp_path):
     x, w = torch.randn(6, 5), torch.randn(5, 3)
     gm = make_fx(lambda x, w: torch.tanh(x @ w).sum(0))(x, w)
     _, first = profile_graph(gm, [x, w], store=ProfileStore(tmp_path), **FAST)
-    assert first.attrs["measured"] > 0 and len(list(tmp_path.iterdir())) == 1
+    assert first.attrs["measured"] > 0 and len(list(tmp_path.glob("*.json"))) == 1
     store = ProfileStore(tmp_path)  # a new process would load it like this
     out, second = profile_graph(gm, [x, w], store=store, **FAST)
     assert torch.equal(out, gm(x, w))
@@ -116,7 +126,7 @@ def test_corrupted_store_is_remeasured_without_crash(tmp_path):
     x = torch.randn(4, 4)
     gm = make_fx(lambda x: torch.sigmoid(x) * 2)(x)
     path = tmp_path / "p.json"
-    path.write_text('{"format": "autopar-profile", "version": 1, "ops": {"tru')
+    path.write_text('{"format": "autopar-profile", "version": 2, "ops": {"tru')
     with pytest.warns(StoreWarning) as caught:
         out, df = profile_graph(gm, [x], store=ProfileStore(path), **FAST)
     assert len(caught) == 1 and "p.json" in str(caught[0].message)
@@ -241,7 +251,7 @@ def test_timing_failure_falls_back_without_breaking_the_run(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("timer exploded")
 
-    monkeypatch.setattr(prof, "_time_calls", broken)
+    monkeypatch.setattr(prof, "measure_op", broken)
     store = ProfileStore.memory()
     x = torch.randn(4, 4)
     gm = make_fx(lambda x: torch.exp(x) + 1)(x)

@@ -1,4 +1,5 @@
-"""The profile store: round trip, atomic merge, and every kind of bad file handled once."""
+"""The profile store: round trip, its key, quality-aware merge, every kind of bad file handled
+once, and several processes writing one store (one of them killed mid-write)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,22 @@ import pytest
 
 from autopar.errors import StoreWarning
 from autopar.profiling.store import (
-    STALE_TMP_S,
     STORE_FORMAT,
     STORE_VERSION,
     ProfileStore,
-    _backup,
-    _host_tag,
-    _remove_orphaned_tmp,
     default_file_name,
     machine_fingerprint,
+    openmp_library,
+    read_store_file,
+    store_key,
     torch_version,
     validate_record,
+)
+from autopar.profiling.storefiles import (
+    STALE_TMP_S,
+    backup_file,
+    host_tag,
+    remove_orphaned_tmp,
 )
 
 REC = {"target": "aten.mm.default", "time_s": 1.5e-5, "time_1t_s": 2.5e-5, "flops": 1024}
@@ -33,8 +39,7 @@ def _file(tmp_path, ops=None, **header):
     doc = {
         "format": STORE_FORMAT,
         "version": STORE_VERSION,
-        "machine": machine_fingerprint(),
-        "torch": torch_version(),
+        **store_key(),
         "ops": {"a" * 16: REC} if ops is None else ops,
         "calibration": {},
     }
@@ -61,7 +66,10 @@ def test_round_trip_directory_mode(tmp_path):
     doc = json.loads(open(store.path).read())
     assert doc["format"] == STORE_FORMAT and doc["version"] == STORE_VERSION
     assert doc["machine"] == machine_fingerprint() and doc["torch"] == torch_version()
-    assert [p.name for p in (tmp_path / "profiles").iterdir()] == [os.path.basename(store.path)]
+    assert doc["openmp"] == openmp_library()
+    names = {p.name for p in (tmp_path / "profiles").iterdir()}
+    name = os.path.basename(store.path)
+    assert names <= {name, name + ".lock"}  # the lock file may stay (empty)
 
 
 def test_json_file_mode_and_env_default(tmp_path, monkeypatch):
@@ -106,8 +114,7 @@ def _bad_files():
     good = {
         "format": STORE_FORMAT,
         "version": STORE_VERSION,
-        "machine": machine_fingerprint(),
-        "torch": torch_version(),
+        **store_key(),
         "ops": {"a" * 16: REC},
         "calibration": {},
     }
@@ -124,6 +131,8 @@ def _bad_files():
             "another machine",
         ),
         "foreign_torch": (json.dumps({**good, "torch": "1.0.0"}), "torch '1.0.0'"),
+        "foreign_openmp": (json.dumps({**good, "openmp": "libiomp5.so"}), "'libiomp5.so'"),
+        "version_1": (json.dumps({**good, "version": 1}), "format version 1"),
         "no_ops": (json.dumps({k: v for k, v in good.items() if k != "ops"}), "no 'ops'"),
     }
 
@@ -171,7 +180,8 @@ def test_flush_merges_with_concurrent_writer(tmp_path):
     b.flush()  # must keep a's entries, and its own value wins on a conflict
     merged = ProfileStore(path)
     assert {"from_a", "from_b", "both"} <= set(merged)
-    assert merged.get("both")["time_s"] == 2.0
+    # They disagree (2x) and neither says it is provisional: the faster is the one kept.
+    assert merged.get("both")["time_s"] == 1.0 and b.get("both")["time_s"] == 1.0
     assert b.get("from_a") == REC  # the merge is visible in memory too
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]  # temp files cleaned up
 
@@ -227,7 +237,7 @@ def test_backup_names_never_collide(tmp_path):
     names = []
     for i in range(3):  # same process, most likely the same second: numbered names
         path.write_text(f"bad {i}")
-        names.append(_backup(str(path)))
+        names.append(backup_file(str(path)))
     assert len(set(names)) == 3 and not path.exists()
     assert [open(n).read() for n in names] == ["bad 0", "bad 1", "bad 2"]
 
@@ -239,7 +249,7 @@ def _dead_pid() -> int:
 
 
 def test_orphaned_temporary_files_are_removed(tmp_path):
-    host, me = _host_tag(), os.getpid()
+    host, me = host_tag(), os.getpid()
     files = {
         f"p.json.{host}-{_dead_pid()}.abc123.tmp": False,  # its writer was killed
         f"p.json.{host}-{me}.fresh1.tmp": True,  # writer alive, recent: maybe mid-write
@@ -258,9 +268,9 @@ def test_orphaned_temporary_files_are_removed(tmp_path):
     store = ProfileStore(tmp_path / "p.json")
     store.put("s" * 16, REC)
     store.flush()
-    left = {p.name for p in tmp_path.iterdir()}
+    left = {p.name for p in tmp_path.iterdir()} - {"p.json.lock"}
     assert left == {name for name, kept in files.items() if kept} | {"p.json"}
-    assert _remove_orphaned_tmp(str(tmp_path / "p.json")) == []  # nothing more to clean
+    assert remove_orphaned_tmp(str(tmp_path / "p.json")) == []  # nothing more to clean
 
 
 def test_flush_names_its_temporary_file_after_its_writer(tmp_path, monkeypatch):
@@ -280,4 +290,162 @@ def test_flush_names_its_temporary_file_after_its_writer(tmp_path, monkeypatch):
     store.put("s" * 16, REC)
     store.flush()
     (name,) = seen
-    assert name.startswith(f"p.json.{_host_tag()}-{os.getpid()}.") and name.endswith(".tmp")
+    assert name.startswith(f"p.json.{host_tag()}-{os.getpid()}.") and name.endswith(".tmp")
+
+
+# -- the key -------------------------------------------------------------------------------------
+def test_file_name_spells_the_key():
+    name = default_file_name()
+    m = machine_fingerprint()
+    assert f"-{m['usable_cores']}c-" in name and "torch" in name and name.endswith(".json")
+    other = default_file_name(openmp="libiomp5.so")
+    assert other != name and other.endswith("-iomp5.json")
+    assert default_file_name(torch_ver="9.9.9") != name
+    assert default_file_name(machine={**m, "usable_cores": m["usable_cores"] + 1}) != name
+    assert sorted(store_key()) == ["machine", "openmp", "torch"]
+
+
+def test_read_store_file_reads_foreign_files_without_moving_them(tmp_path):
+    path = _file(tmp_path, torch="0.1")
+    assert read_store_file(str(path))["torch"] == "0.1" and path.exists()
+    (tmp_path / "x.json").write_text("[]")
+    with pytest.raises(ValueError, match="not an autopar profile"):
+        read_store_file(str(tmp_path / "x.json"))
+
+
+# -- two measurements of one signature -------------------------------------------------------
+CLEAN = {**REC, "quality": "clean"}
+PROV = {**REC, "quality": "provisional", "reason": "5/5 samples disturbed"}
+
+
+def test_provisional_never_replaces_clean():
+    store = ProfileStore.memory()
+    assert store.put("s", CLEAN)
+    for t in (REC["time_s"] * 100, REC["time_s"] / 100, REC["time_s"]):
+        assert not store.put("s", {**PROV, "time_s": t})  # faster, slower, equal: kept out
+    assert store.get("s") == CLEAN
+    store.put("p", PROV)
+    assert store.put("p", {**CLEAN, "time_s": 9.0})  # clean replaces provisional, any time
+    assert store.get("p")["quality"] == "clean"
+
+
+def test_of_two_disagreeing_clean_measurements_the_faster_is_kept():
+    store = ProfileStore.memory()
+    store.put("s", {**CLEAN, "time_s": 24e-3})  # the issue's poisoned 1x1 conv
+    assert store.put("s", {**CLEAN, "time_s": 0.43e-3})
+    assert not store.put("s", {**CLEAN, "time_s": 24e-3})
+    assert store.put("s", {**CLEAN, "time_s": 0.5e-3})  # they agree: the newer one
+    assert store.get("s")["time_s"] == 0.5e-3
+
+
+def test_flush_merge_keeps_the_clean_entry_of_another_process(tmp_path):
+    path = tmp_path / "p.json"
+    a, b = ProfileStore(path), ProfileStore(path)
+    a.put("s", CLEAN)
+    a.flush()
+    b.put("s", {**PROV, "time_s": 1e-7})  # b never saw a's entry; it is provisional
+    b.put("t", PROV)
+    b.flush()
+    again = ProfileStore(path)
+    assert again.get("s") == CLEAN and again.get("t") == PROV and b.get("s") == CLEAN
+    a.put("t", CLEAN)  # and the other way round: clean replaces provisional on disk
+    a.flush()
+    assert ProfileStore(path).get("t") == CLEAN
+
+
+def test_replace_and_remove_reach_the_disk(tmp_path):
+    path = tmp_path / "p.json"
+    first = ProfileStore(path)
+    first.put("s", {**CLEAN, "time_s": 1e-3})
+    first.put("gone", CLEAN)
+    first.flush()
+    healer = ProfileStore(path)
+    healer.replace("s", {**CLEAN, "time_s": 5e-3})  # slower, but evidence says so
+    assert healer.remove("gone") and not healer.remove("never")
+    healer.flush()
+    again = ProfileStore(path)
+    assert again.get("s")["time_s"] == 5e-3 and "gone" not in again
+    first.put("other", CLEAN)  # a process that still holds the old entries in memory
+    first.flush()
+    again = ProfileStore(path)
+    assert again.get("s")["time_s"] == 5e-3 and "gone" not in again and "other" in again
+
+
+# -- several processes -------------------------------------------------------------------------
+WRITER = r"""
+import os, sys, time
+from autopar.profiling.store import ProfileStore
+
+path, name, n, wait_for, stall = sys.argv[1:6]
+n = int(n)
+store = ProfileStore(path)
+
+def write(i):
+    store.put(f"{name}-{i:03d}", {"target": "aten.mm.default", "time_s": 1e-5 * (i + 1)})
+    store.flush()
+    print(f"{name}-{i:03d}", flush=True)  # on disk: must never be lost
+
+for i in range(n):
+    if i == n // 2 and wait_for != "-":
+        while not os.path.exists(wait_for):
+            time.sleep(0.01)
+    write(i)
+if stall != "-":  # hang inside the next flush, after writing the temporary file
+    def stalled(fd):
+        open(stall, "w").close()
+        time.sleep(600)
+    os.fsync = stalled
+    store.put(f"{name}-doomed", {"target": "aten.mm.default", "time_s": 1.0})
+    store.flush()
+"""
+
+
+def _writer(path, name, n, wait_for="-", stall="-"):
+    args = [sys.executable, "-c", WRITER, str(path), name, str(n), str(wait_for), str(stall)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return out.split(), err
+
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path):
+    path = tmp_path / "shared.json"
+    procs = [_writer(path, name, 30) for name in ("a", "b")]
+    results = [_finish(p) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    written = {k for keys, _ in results for k in keys}
+    assert len(written) == 60
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a whole, valid file: no warning
+        store = ProfileStore(path)
+    assert set(store) == written
+
+
+def test_writer_killed_mid_write_loses_nothing_and_leaves_a_readable_file(tmp_path):
+    import signal
+
+    path, stalled = tmp_path / "shared.json", tmp_path / "stalled"
+    victim = _writer(path, "v", 6, stall=stalled)
+    other = _writer(path, "w", 12, wait_for=stalled)  # its second half meets the held lock
+    deadline = time.monotonic() + 300
+    while not stalled.exists():
+        assert victim.poll() is None, victim.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the victim never reached its flush"
+        time.sleep(0.05)
+    assert read_store_file(str(path))["ops"]  # readable while a write is half done
+    os.kill(victim.pid, signal.SIGKILL)
+    victim_keys, _ = _finish(victim)  # reaped: its pid is dead now
+    other_keys, err = _finish(other)
+    assert victim.returncode == -signal.SIGKILL and other.returncode == 0, err[-2000:]
+    assert len(victim_keys) == 6 and len(other_keys) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store = ProfileStore(path)
+    assert set(store) == set(victim_keys) | set(other_keys)  # "v-doomed" never got there
+    store.put("after", REC)
+    store.flush()  # cleans the victim's temporary file if the other writer did not
+    assert not list(tmp_path.glob("*.tmp"))
+    assert set(ProfileStore(path)) == set(victim_keys) | set(other_keys) | {"after"}

@@ -37,7 +37,6 @@ without the scaled costs (so a plan that hides the op in a parallel branch pays 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import threading
@@ -107,7 +106,6 @@ class _GraphState:
         self.pending: tuple | None = None  # (table, plan, program, event) awaiting a swap
         self.event: str = ""  # shown on the next stats row of this graph
         self.fake: dict[str, float] = {}  # plan hash -> injected seconds (before baseline)
-        self.timed_spec = None  # (program, StreamSpec with timed stream functions, segs)
         self.gave_up = False
         self.hashed: tuple = (None, "")  # (plan, plan.plan_hash): hashing a plan is slow
 
@@ -172,7 +170,6 @@ class Monitor:
                 st.baseline = None  # drift not explained by operator costs: re-baseline
                 event += "; prediction unchanged: baseline reset"
             st.reset()
-            st.timed_spec = None
             st.event = event
         log.info("autopar: %s: %s", record.tag, event)
 
@@ -204,7 +201,7 @@ class Monitor:
         """``record`` runs something new (a tier landed): measure a fresh baseline."""
         st = self._states.get(id(record))
         if st is not None:
-            st.baseline, st.timed_spec = None, None
+            st.baseline = None
             st.reset()
 
     def on_call(self, record, runner, args):
@@ -229,45 +226,15 @@ class Monitor:
         return out
 
     def _timed_call(self, record, st, args):
-        """Run once with every stream function timed (CPU multi-stream programs)."""
-        program = record.program
-        g = getattr(getattr(program, "fn", None), "__globals__", {})
-        spec = g.get("_SPEC")
-        if spec is None:  # serial (or CUDA): the call is the one stream
+        """Run once with every stream function timed (``runtime.streams.stream_timings``);
+        a serial (or CUDA, or Inductor) program is one stream: the call's time."""
+        from autopar.runtime.streams import stream_timings
+
+        with stream_timings() as segs:
             t0 = time.perf_counter()
             out = record.runner(args)
             dt = time.perf_counter() - t0
-            return {0: dt}, out, dt
-        if st.timed_spec is None or st.timed_spec[0] is not program:
-            segs: dict[int, float] = {}
-            ids = spec.stream_ids or tuple(range(1 + len(spec.workers)))
-
-            def timed(fn, sid):
-                def run(s):
-                    t = time.perf_counter()
-                    try:
-                        return fn(s)
-                    finally:
-                        segs[sid] = time.perf_counter() - t
-
-                return run
-
-            new = dataclasses.replace(
-                spec,
-                main=timed(spec.main, ids[0]),
-                workers=tuple((timed(f, ids[i + 1]), k) for i, (f, k) in enumerate(spec.workers)),
-            )
-            st.timed_spec = (program, new, segs)
-        _, new, segs = st.timed_spec
-        segs.clear()
-        g["_SPEC"] = new
-        try:
-            t0 = time.perf_counter()
-            out = record.runner(args)
-            dt = time.perf_counter() - t0
-        finally:
-            g["_SPEC"] = spec
-        return dict(segs), out, dt
+        return (dict(segs) if segs else {0: dt}), out, dt
 
     def _observe(self, record, st: _GraphState, dt: float, segs) -> None:
         opts = self.options

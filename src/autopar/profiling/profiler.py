@@ -11,14 +11,21 @@ to ``gm(*args)``. Each *new* operator signature is additionally timed on the sid
   timing calls and restored after, so dropout masks are those eager execution draws;
 * the intra-op thread count is restored in a ``finally`` after the 1-thread timing.
 
-Timing recipe (per signature and thread setting; see ``_time_calls``): the first warm-up call
-counts FLOPs under ``FlopCounterMode`` (warm-up is untimed anyway), the others estimate one
-call's cost ``est``. Samples are batches of ``k = ceil(50 us / est)`` calls (at most 200) so
-that a sample lasts longer than the timer's resolution and jitter; ``repeats`` is cut so one
-setting costs about 0.5 s at most, and an op slower than that is timed by its one warm-up
-call. The median sample / ``k`` is the time. CPU samples use ``time.perf_counter``; CUDA
-samples use CUDA events around the batch. CUDA ops get ``time_1t_s = time_s`` (intra-op
-threads are a CPU setting).
+Timing (``autopar.profiling.timing.measure_op``): samples of batched calls, at least three,
+each checked for contention (the calling thread descheduled, or any thread of the process
+preempted, during it); disturbed samples and slow outliers are set aside; the median of the
+rest is the time. A contended setting is re-measured after a pause (within ``RETRY_BUDGET_S``
+per run); still contended, the record is ``provisional``: the store keeps it only where it has
+no clean one, and a provisional entry met in the store is measured again. CUDA samples use
+CUDA events and synchronise. CUDA ops get ``time_1t_s = time_s`` (intra-op threads are a CPU
+setting). Each stored record also holds its call's description (``callspec``), so the store
+can re-time it alone.
+
+Operators found in the store are checked against this run: their real call, and one more
+warm call on the side (CUDA: timed by events), give ``measured`` seconds per node.
+``df.attrs["measured_s"]`` sums them (fresh measurements count at their new time) and
+``df.attrs["evidence"]`` holds them per node key: ``autopar.profiling.heal`` compares them with
+the store's times.
 
 The table's columns are documented in docs/architecture.md ("The profile table"). Example::
 
@@ -37,7 +44,6 @@ import copy
 import hashlib
 import math
 import operator
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,7 +56,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture.backend import node_key
 from autopar.errors import node_source
+from autopar.profiling.callspec import encode
+from autopar.profiling.quality import is_provisional
 from autopar.profiling.store import ProfileStore
+from autopar.profiling.timing import (
+    BATCH_TARGET_S,
+    MAX_BATCH,
+    NodeTimes,
+    RetryBudget,
+    measure_op,
+    time_sample,
+)
 
 COLUMNS = [
     "graph", "phase", "node", "key", "op", "target", "signature", "time_s", "time_1t_s",
@@ -58,10 +74,8 @@ COLUMNS = [
     "input_bytes", "users", "shape", "dtype", "device", "cached", "source",
 ]  # fmt: skip
 
-# Timing constants (see the module docstring for how they combine).
-_BATCH_TARGET_S = 50e-6  # a timed sample should last at least this long (timer jitter ~1 us)
-_MAX_BATCH = 200  # most calls in one sample (a 0.2 us op: 40 us per sample)
-_SETTING_BUDGET_S = 0.5  # about the most time spent timing one signature at one thread count
+#: Seconds one profile_graph may spend re-measuring contended operators.
+RETRY_BUDGET_S = 2.0
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
@@ -159,44 +173,6 @@ def _format_meta(value: Any, ts: list[torch.Tensor]) -> tuple[str, str, str]:
 
 
 # -- measuring one operator -------------------------------------------------------------------
-def _elapsed(call: Callable[[], Any], k: int, cuda: torch.device | None) -> float:
-    """Seconds for ``k`` back-to-back calls (CUDA events on a GPU, else perf_counter)."""
-    if cuda is not None:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(k):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
-    t0 = time.perf_counter()
-    for _ in range(k):
-        call()
-    return time.perf_counter() - t0
-
-
-def _time_calls(
-    call: Callable[[], Any], cuda: torch.device | None, warmup: int, repeats: int
-) -> tuple[float, int, int]:
-    """(median seconds per call, batch size k, samples taken). See the module docstring."""
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
-    est = math.inf
-    for _ in range(max(1, warmup)):
-        est = min(est, _elapsed(call, 1, cuda))
-        if est > _SETTING_BUDGET_S / 4:  # an expensive op is warm after one call
-            break
-    if est >= _SETTING_BUDGET_S:  # one call already used the budget: it is the sample
-        return est, 1, 1
-    k = 1  # calls per sample: enough that a sample lasts _BATCH_TARGET_S
-    if est < _BATCH_TARGET_S:
-        k = min(_MAX_BATCH, math.ceil(_BATCH_TARGET_S / max(est, 1e-9)))
-    reps = max(1, min(repeats, int(_SETTING_BUDGET_S / max(est * k, 1e-12))))
-    samples = [_elapsed(call, k, cuda) / k for _ in range(reps)]
-    return statistics.median(samples), k, reps
-
-
 @contextlib.contextmanager
 def _rng_preserved(devices: set[torch.device], generators: list[torch.Generator]):
     """Restore every random generator the timing calls could advance."""
@@ -276,6 +252,10 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         self.threads = torch.get_num_threads()
         self.rows: list[dict[str, Any]] = []
         self.seen: dict[str, dict[str, Any]] = {}  # signature -> record, this run
+        self.from_store: set[str] = set()  # signatures this run took from the store
+        self.checked: dict[str, float] = {}  # of those: seconds per call, timed in this run
+        self.evidence: dict[str, float] = {}  # node key -> seconds measured in this run
+        self.budget = RetryBudget(RETRY_BUDGET_S)
         self.measured = 0
         self.errors: list[str] = []
 
@@ -300,6 +280,13 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
                 record, cached = self._lookup(sig)
                 if record is None:
                     record = self._measure(n, sig, args, kwargs, result, real_s)
+                key = node_key(self.tag, n.name)
+                if sig in self.from_store:
+                    if sig not in self.checked:
+                        self.checked[sig] = self._check(n, args, kwargs, result, real_s, record)
+                    self.evidence[key] = self.checked[sig]
+                else:
+                    self.evidence[key] = float(record["time_s"])
         else:
             result = super().run_node(n)
         out_tensors = _tensors(result) if n.op != "output" else []  # output: just edges
@@ -390,7 +377,10 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             needs_1t = self.single_thread and self.threads > 1
             if record is None or (needs_1t and record.get("time_1t_s") is None):
                 return None, False
+            if is_provisional(record):  # measured under contention: measure it again
+                return None, False
             self.seen[sig] = record
+            self.from_store.add(sig)
         return record, True
 
     # -- the side measurement -----------------------------------------------------------------
@@ -406,7 +396,10 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         mod = copy.deepcopy(self.submodules[n.target])
         return lambda: mod(*args, **kwargs)
 
-    def _measure(self, n, sig, args, kwargs, result, real_s) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _side_call(self, n, args, kwargs, result):
+        """(call, CUDA device or None): the node's operator, callable on the side without
+        touching the real run (written arguments cloned, generators restored after)."""
         every = _tensors((args, kwargs, result))
         cuda_devs = {t.device for t in every if t.device.type == "cuda"}
         kw_dev = kwargs.get("device")
@@ -414,29 +407,46 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             cuda_devs.add(torch.device(kw_dev))
         cuda = min(cuda_devs, key=str) if cuda_devs else None
         gens = [g for g in _leaves((args, kwargs)) if isinstance(g, torch.Generator)]
-        record: dict[str, Any] = {"target": target_name(n)}
         on_device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
+        with _rng_preserved(cuda_devs, gens), on_device:
+            t_args, t_kwargs = _timing_args(n, args, kwargs)
+            yield self._call_of(n, t_args, t_kwargs), cuda
+
+    def _check(self, n, args, kwargs, result, real_s, record) -> float:
+        """Seconds per call of a stored operator now: one sample on the side, batched like
+        the stored one (CUDA: timed by events), or the real call if faster. A disturbed
+        sample is only an upper bound (interference adds time): it may lower the stored
+        time, never raise it."""
+        if n.op == "call_module":  # the side call would deep-copy the module: not worth it
+            return real_s
+        est = min(real_s, float(record["time_s"]))
+        k = min(MAX_BATCH, max(1, math.ceil(BATCH_TARGET_S / max(est, 1e-9))))
         try:
-            with _rng_preserved(cuda_devs, gens), on_device:
-                t_args, t_kwargs = _timing_args(n, args, kwargs)
-                call = self._call_of(n, t_args, t_kwargs)
+            with self._side_call(n, args, kwargs, result) as (call, cuda):
+                call()  # warm-up, as the stored measurement had
+                warm = time_sample(call, k, cuda)
+        except Exception:  # noqa: BLE001 - a check must never break the user's run
+            return real_s
+        now = warm.seconds if cuda is not None else min(real_s, warm.seconds)
+        return min(now, float(record["time_s"])) if warm.disturbed else now
+
+    def _measure(self, n, sig, args, kwargs, result, real_s) -> dict[str, Any]:
+        record: dict[str, Any] = {"target": target_name(n)}
+        try:
+            with self._side_call(n, args, kwargs, result) as (call, cuda):
                 counter = FlopCounterMode(display=False)
                 with counter:  # the first (untimed) warm-up call counts the FLOPs
                     call()
                 record["flops"] = int(counter.get_total_flops())
-                record["time_s"], record["batch"], record["repeats"] = _time_calls(
-                    call, cuda, self.warmup - 1, self.repeats
-                )
-                if cuda is not None or self.threads == 1:
-                    record["time_1t_s"] = record["time_s"]  # intra-op threads: CPU only
-                elif self.single_thread:
-                    try:
-                        torch.set_num_threads(1)
-                        record["time_1t_s"] = _time_calls(call, None, self.warmup, self.repeats)[0]
-                    finally:
-                        torch.set_num_threads(self.threads)
-                else:
-                    record["time_1t_s"] = None  # not measured; shows as NaN in the table
+                record.update(
+                    measure_op(
+                        call, cuda, warmup=self.warmup - 1, repeats=self.repeats,
+                        single_thread=self.single_thread, budget=self.budget,
+                    )
+                )  # fmt: skip
+            spec = encode(self._label(n), args, kwargs)
+            if spec is not None:
+                record["call"] = spec
         except Exception as e:  # noqa: BLE001 - timing must never break the user's run
             self.errors.append(f"{n.format_node()}: {type(e).__name__}: {e}")
             # The real call's time is the best we have (one sample; launch time on CUDA).
@@ -468,8 +478,10 @@ def profile_graph(
     found in ``store`` (or seen earlier in this run) are not re-measured (``cached``); new
     measurements are put into ``store`` and flushed. ``store=None`` uses a memory-only store.
     ``df.attrs`` holds ``measured`` (new signatures timed), ``signatures`` (distinct ones),
-    ``seconds`` (wall time of the whole profile) and ``errors`` (operators whose timing
-    failed; they run correctly and show the time of their one real call).
+    ``seconds`` (wall time of the whole profile), ``errors`` (operators whose timing
+    failed; they run correctly and show the time of their one real call), ``provisional``
+    (signatures measured under contention this run), and ``measured_s`` / ``evidence``
+    (this run's own serial time, in total and per node key; see the module docstring).
 
     ``bytes_written`` counts non-view outputs, and outputs written in place (``add_``).
 
@@ -508,11 +520,15 @@ def profile_graph(
         df[col] = df[col].astype("int64")
     df["is_view"] = df["is_view"].astype(bool)
     df["cached"] = df["cached"].astype(bool)
+    comp = set(df.key[df.op.isin(_COMPUTE_OPS)])
     df.attrs.update(
         measured=interp.measured,
         signatures=len(interp.seen),
         seconds=time.perf_counter() - t0,
         errors=list(interp.errors),
+        provisional=sorted(s for s, r in interp.seen.items() if is_provisional(r)),
+        measured_s=float(sum(v for k, v in interp.evidence.items() if k in comp)),
+        evidence=NodeTimes(interp.evidence),
     )
     if interp.errors:
         warnings.warn(

@@ -1,27 +1,43 @@
 """The persistent profile store: operator measurements as versioned JSON under ``profiles/``.
 
-One file holds the measurements of one machine with one torch version::
+One file holds the measurements of one *store key*: the machine (CPU model, OS/arch, GPUs),
+its core count (logical, and usable by this process), the torch version and the OpenMP library
+torch loaded (``store_key()``; the file name spells it, ``default_file_name()``)::
 
-    {"format": "autopar-profile", "version": 1,
-     "machine": {"cpu": ..., "logical_cores": ..., "platform": ..., "cuda": [...]},
-     "torch": "2.13.0+cpu",
-     "ops": {signature: {"target": ..., "time_s": ..., "time_1t_s": ..., "flops": ...}},
+    {"format": "autopar-profile", "version": 2,
+     "machine": {"cpu": ..., "logical_cores": ..., "usable_cores": ..., "platform": ...,
+                 "cuda": [...]},
+     "torch": "2.13.0+cpu", "openmp": "libgomp.so.1",
+     "ops": {signature: {"target": ..., "time_s": ..., "time_1t_s": ..., "flops": ...,
+                         "quality": "clean", "samples": ..., "min_s": ..., ...}},
      "calibration": {name: {...}}}
 
 ``ops`` is keyed by the operator signature made in ``autopar.profiling.profiler`` (a hash of
-the target,
-argument shapes/dtypes/strides/devices and the intra-op thread count). ``calibration`` holds
-the cost model's microbenchmark constants.
+the target, argument shapes/dtypes/strides/devices and the intra-op thread count); the record
+fields are documented in docs/cost-model.md ("Measurement quality"). ``calibration`` holds the
+cost model's microbenchmark constants.
+
+**Two measurements of one signature** (a ``put`` over an existing entry, or two processes
+flushing the same signature) are settled by ``autopar.profiling.quality.preferred``: a clean
+measurement is never replaced by a provisional one, and of two that disagree by more than
+1.5x the faster is kept. ``replace()`` overrides that (``heal`` and ``autopar store verify
+--fix``, which have evidence that the entry is wrong), ``remove()`` drops an entry.
+
+**Concurrency.** ``flush()`` merges with the file under an exclusive ``filelock`` on
+``<file>.lock`` (with a timeout: a stuck writer cannot hang training) and replaces the file
+atomically (``os.replace`` of a fsynced temporary file), so several processes may write one
+store: none loses another's entries, and a writer killed at any point leaves a whole file.
 
 A file that cannot be trusted (not UTF-8 or not JSON, truncated, another format or version,
-measured on another machine or with another torch) is reported in one ``StoreWarning`` naming
-its backup, ``<name>.corrupt-<time>-<pid>``: a new name each time, so no backup is ever
-overwritten. Its operators are re-measured. Temporary files of a writer that was killed
-mid-write are removed by the next ``flush()``. An I/O error never stops the user's run (the
-store keeps working in memory). Example::
+another store key) is reported in one ``StoreWarning`` naming its backup,
+``<name>.corrupt-<time>-<pid>``: a new name each time, so no backup is ever overwritten. Its
+operators are re-measured. Temporary files of a writer that was killed mid-write are removed
+by the next ``flush()``. An I/O error never stops the user's run (the store keeps working in
+memory). Example::
 
     >>> store = ProfileStore.memory()
     >>> store.put("0123456789abcdef", {"target": "aten.mm.default", "time_s": 1e-5})
+    True
     >>> store.get("0123456789abcdef")["time_s"]
     1e-05
     >>> len(store)
@@ -30,7 +46,6 @@ store keeps working in memory). Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -38,36 +53,41 @@ import math
 import os
 import platform
 import re
-import socket
-import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from autopar.errors import StoreWarning
+from autopar.profiling.quality import preferred
+from autopar.profiling.storefiles import (
+    STALE_TMP_S,
+    backup_file,
+    remove_orphaned_tmp,
+    store_lock,
+    write_atomically,
+)
 
 STORE_FORMAT = "autopar-profile"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: records carry their quality; the key names cores and OpenMP
 ENV_DIR = "AUTOPAR_PROFILE_DIR"
 DEFAULT_DIR = "profiles"
-#: A temporary file older than this is an orphan whatever its writer: a flush writes one JSON
-#: file, which takes well under a second.
-STALE_TMP_S = 300.0
+__all__ = ["STALE_TMP_S"]  # re-exported: callers of version 1 imported it from here
 
 
-# -- machine identity ------------------------------------------------------------------------
+# -- the store key ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def machine_fingerprint() -> dict[str, Any]:
-    """What identifies this machine's performance: CPU model, logical cores, OS/arch, GPUs.
+    """What identifies this machine's performance: CPU model, cores, OS/arch, GPUs.
 
-    Measurements are only reused on a machine with the same fingerprint. The host name is left
-    out on purpose: identical hardware may share a profile file.
+    ``logical_cores`` is the machine's, ``usable_cores`` what this process may run on (a
+    container or ``taskset`` may allow fewer). Measurements are only reused under the same
+    fingerprint. The host name is left out on purpose: identical hardware may share a profile
+    file.
 
     Example::
 
         >>> sorted(machine_fingerprint())
-        ['cpu', 'cuda', 'logical_cores', 'platform']
+        ['cpu', 'cuda', 'logical_cores', 'platform', 'usable_cores']
     """
     cpu = ""
     try:
@@ -87,18 +107,67 @@ def machine_fingerprint() -> dict[str, Any]:
             cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # a broken CUDA install must not stop profiling on the CPU
         cuda = []
+    logical = os.cpu_count() or 1
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = logical
     return {
         "cpu": " ".join(cpu.split()),
-        "logical_cores": os.cpu_count() or 1,
+        "logical_cores": logical,
+        "usable_cores": usable,
         "platform": f"{platform.system()}-{platform.machine()}",
         "cuda": cuda,
     }
 
 
 def torch_version() -> str:
+    """``torch.__version__`` (its build tag too: ``2.13.0+cpu``)."""
     import torch
 
     return str(torch.__version__)
+
+
+_OMP_LIB = re.compile(
+    r"/(lib(?:gomp|iomp5|iomp5md|omp|omp5)(?:[.-][^/\s]*)?\.(?:so|dylib|dll)[^/\s]*)"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def openmp_library() -> str:
+    """The OpenMP runtime torch runs its intra-op threads on: the file name of the loaded
+    library (``libgomp.so.1``, ``libiomp5.so``, ``libomp.dylib``), else what torch reports
+    (``openmp``, or ``native`` for a build without OpenMP). Their thread teams wait, spin and
+    wake differently, which changes multi-threaded operator times.
+
+    Example::
+
+        >>> openmp_library() != ""
+        True
+    """
+    import torch
+
+    names: set[str] = set()
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            names = {m.group(1) for m in _OMP_LIB.finditer(f.read())}
+    except OSError:  # no /proc (macOS, Windows): ask torch
+        pass
+    if names:
+        return "+".join(sorted(names))
+    info = torch.__config__.parallel_info()
+    return "openmp" if "parallel backend: OpenMP" in info else "native"
+
+
+def store_key() -> dict[str, Any]:
+    """Everything a measurement depends on besides the operator call: the store's key.
+
+    Example::
+
+        >>> sorted(store_key())
+        ['machine', 'openmp', 'torch']
+    """
+    return {"machine": machine_fingerprint(), "torch": torch_version(), "openmp": openmp_library()}
 
 
 def _slug(text: str, limit: int = 40) -> str:
@@ -106,33 +175,44 @@ def _slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()[:limit].strip("-")
 
 
-def default_file_name(machine: dict[str, Any] | None = None, torch_ver: str | None = None) -> str:
-    """The store's file name inside a profile directory: ``<machine>-torch<version>.json``.
+def default_file_name(
+    machine: dict[str, Any] | None = None,
+    torch_ver: str | None = None,
+    openmp: str | None = None,
+) -> str:
+    """The store's file name in a profile directory: ``<machine>-torch<version>-<openmp>.json``.
 
-    ``<machine>`` is a readable slug (CPU model, cores, first GPU) plus a short hash of the
-    whole fingerprint, so two machines never share a file by accident.
+    ``<machine>`` is a readable slug (CPU model, usable cores, first GPU) plus a short hash of
+    the whole key, so two keys never share a file by accident.
 
     Example::
 
-        >>> name = default_file_name({"cpu": "Xeon 8375C", "logical_cores": 2,
-        ...                           "platform": "Linux-x86_64", "cuda": []}, "2.13.0+cpu")
-        >>> name.startswith("xeon-8375c-2c-"), name.endswith("-torch2.13.0_cpu.json")
+        >>> name = default_file_name({"cpu": "Xeon 8375C", "logical_cores": 2, "usable_cores": 2,
+        ...                           "platform": "Linux-x86_64", "cuda": []}, "2.13.0+cpu",
+        ...                          "libgomp.so.1")
+        >>> name.startswith("xeon-8375c-2c-"), name.endswith("-torch2.13.0_cpu-gomp.json")
         (True, True)
     """
     machine = machine_fingerprint() if machine is None else machine
     torch_ver = torch_version() if torch_ver is None else torch_ver
-    digest = hashlib.sha1(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:6]
-    parts = [_slug(machine.get("cpu", "cpu")), f"{machine.get('logical_cores', 0)}c"]
+    openmp = openmp_library() if openmp is None else openmp
+    key = {"machine": machine, "torch": torch_ver, "openmp": openmp}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:6]
+    cores = machine.get("usable_cores", machine.get("logical_cores", 0))
+    parts = [_slug(machine.get("cpu", "cpu")), f"{cores}c"]
     if machine.get("cuda"):
         parts.append(_slug(machine["cuda"][0], 24))
     ver = re.sub(r"[^A-Za-z0-9.]", "_", torch_ver)
-    return f"{'-'.join(p for p in parts if p)}-{digest}-torch{ver}.json"
+    omp = re.sub(r"^lib|\.(so|dylib|dll).*$", "", openmp.split("+")[0]) or "none"
+    return f"{'-'.join(p for p in parts if p)}-{digest}-torch{ver}-{_slug(omp, 12)}.json"
 
 
 # -- record validation -------------------------------------------------------------------------
 # Keys whose values are durations, counts or sizes: they must be >= 0. Any number anywhere must
 # be finite (JSON written by other tools may hold NaN/Infinity, which Python's json accepts).
-_NONNEGATIVE_KEY = re.compile(r"(^time|_s$|flops|bytes|threads|repeats|batch|count)")
+_NONNEGATIVE_KEY = re.compile(
+    r"(^time|_s$|flops|bytes|threads|repeats|batch|count|samples|kept|spread|contention)"
+)
 
 
 def _invalid_value(value: Any, key: str, depth: int = 0) -> str | None:
@@ -194,17 +274,22 @@ class ProfileStore:
 
         >>> store = ProfileStore("profiles")                          # doctest: +SKIP
         >>> store.put(sig, {"target": "aten.mm.default", "time_s": 3e-5})  # doctest: +SKIP
+        True
         >>> store.flush()                                            # doctest: +SKIP
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, _memory: bool = False):
         self.machine = machine_fingerprint()
         self.torch = torch_version()
+        self.openmp = openmp_library()
         self._ops: dict[str, dict[str, Any]] = {}
         self._calibration: dict[str, dict[str, Any]] = {}
-        # Keys changed in this process; flush() writes these over what is on disk.
+        # Keys changed in this process; flush() merges these with what is on disk. Replaced
+        # keys overwrite the disk's entry whatever its quality; removed ones delete it.
         self._dirty_ops: set[str] = set()
         self._dirty_cal: set[str] = set()
+        self._replaced: set[str] = set()
+        self._removed: set[str] = set()
         self._warned = False
         self.path: str | None
         if _memory:
@@ -214,7 +299,7 @@ class ProfileStore:
             path = os.environ.get(ENV_DIR) or DEFAULT_DIR
         path = os.fspath(path)
         if not path.endswith(".json"):
-            path = os.path.join(path, default_file_name(self.machine, self.torch))
+            path = os.path.join(path, default_file_name(self.machine, self.torch, self.openmp))
         self.path = path
         ops, cal = self._read_disk()
         self._ops.update(ops)
@@ -251,11 +336,48 @@ class ProfileStore:
         rec = self._ops.get(signature)
         return dict(rec) if rec is not None else None
 
-    def put(self, signature: str, record: dict[str, Any]) -> None:
-        """Store one operator measurement; raises ``ValueError`` if the record is invalid."""
+    def items(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(signature, record copy) pairs, in signature order."""
+        for sig in sorted(self._ops):
+            yield sig, dict(self._ops[sig])
+
+    @property
+    def key(self) -> dict[str, Any]:
+        """This store's key: ``{"machine": ..., "torch": ..., "openmp": ...}``."""
+        return {"machine": self.machine, "torch": self.torch, "openmp": self.openmp}
+
+    def put(self, signature: str, record: dict[str, Any]) -> bool:
+        """Offer one operator measurement; whether it was kept. An entry already there is
+        kept instead when it is the better measurement (``quality.preferred``: a clean one is
+        never replaced by a provisional one; of two that disagree, the faster). Raises
+        ``ValueError`` if the record is invalid.
+        """
+        self._check(signature, record, op=True)
+        current = self._ops.get(signature)
+        if preferred(current, record) is current:
+            return False
+        self._ops[signature] = dict(record)
+        self._dirty_ops.add(signature)
+        self._removed.discard(signature)
+        return True
+
+    def replace(self, signature: str, record: dict[str, Any]) -> None:
+        """Store ``record`` over whatever is there, here and on disk at the next flush: for a
+        caller with evidence that the stored entry is wrong (``heal``, ``store verify --fix``).
+        """
         self._check(signature, record, op=True)
         self._ops[signature] = dict(record)
         self._dirty_ops.add(signature)
+        self._replaced.add(signature)
+        self._removed.discard(signature)
+
+    def remove(self, signature: str) -> bool:
+        """Drop an entry, here and on disk at the next flush; whether there was one."""
+        had = self._ops.pop(signature, None) is not None
+        self._dirty_ops.discard(signature)
+        self._replaced.discard(signature)
+        self._removed.add(signature)
+        return had
 
     def get_calibration(self, name: str) -> dict[str, Any] | None:
         """A calibration record of the cost model (e.g. ``"cpu_matmul"``), or ``None``."""
@@ -294,7 +416,7 @@ class ProfileStore:
     def _move_aside(self) -> str:
         assert self.path is not None
         try:
-            aside = _backup(self.path)
+            aside = backup_file(self.path)
             return f"it was kept as {aside!r}"
         except FileNotFoundError:  # another process backed it up (or replaced it) first
             return "another process has moved it aside already"
@@ -360,6 +482,11 @@ class ProfileStore:
             )
         if data.get("torch") != self.torch:
             return f"was measured with torch {data.get('torch')!r}, this is torch {self.torch}"
+        if data.get("openmp") != self.openmp:
+            return (
+                f"was measured with OpenMP library {data.get('openmp')!r}, this process uses "
+                f"{self.openmp!r}"
+            )
         if not isinstance(data.get("ops"), dict):
             return "has no 'ops' table"
         if not isinstance(data.setdefault("calibration", {}), dict):
@@ -370,20 +497,25 @@ class ProfileStore:
         """Write the store atomically, merged with what is on disk now.
 
         Another process may have added measurements since this store was loaded: its entries
-        are kept, and this process's new entries win on a conflict. The file is written to a
-        temporary file in the same directory and ``os.replace``-d, so a reader never sees half
-        a file. An I/O error is reported once as a ``StoreWarning`` and the store stays usable
-        in memory. A memory store does nothing.
+        are kept; where both hold a signature, ``quality.preferred`` picks (a ``replace``-d
+        entry wins, a ``remove``-d one goes). The merge runs under the store's file lock and
+        the file is replaced atomically (``autopar.profiling.storefiles``). An I/O error (or a
+        lock held longer than ``LOCK_TIMEOUT_S``) is reported once as a ``StoreWarning``; the
+        entries stay in memory and the next flush tries again. A memory store does nothing.
         """
-        if self.path is None or not (self._dirty_ops or self._dirty_cal):
+        if self.path is None or not (self._dirty_ops or self._dirty_cal or self._removed):
             return
         directory = os.path.dirname(os.path.abspath(self.path))
         try:
             os.makedirs(directory, exist_ok=True)
-            with _dir_lock(directory):
+            with store_lock(self.path):
                 disk_ops, disk_cal = self._read_disk()
                 for k in self._dirty_ops:
-                    disk_ops[k] = self._ops[k]
+                    ours = self._ops[k]
+                    keep = k in self._replaced
+                    disk_ops[k] = ours if keep else preferred(disk_ops.get(k), ours)
+                for k in self._removed:
+                    disk_ops.pop(k, None)
                 for k in self._dirty_cal:
                     disk_cal[k] = self._calibration[k]
                 doc = {
@@ -391,139 +523,47 @@ class ProfileStore:
                     "version": STORE_VERSION,
                     "machine": self.machine,
                     "torch": self.torch,
+                    "openmp": self.openmp,
                     "ops": dict(sorted(disk_ops.items())),
                     "calibration": dict(sorted(disk_cal.items())),
                 }
                 text = json.dumps(doc, indent=1, allow_nan=False)
-                _remove_orphaned_tmp(self.path)
-                fd, tmp = tempfile.mkstemp(
-                    prefix=_tmp_prefix(self.path), suffix=".tmp", dir=directory
-                )
-                try:
-                    with os.fdopen(fd, "w", encoding="utf-8") as f:
-                        f.write(text)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, self.path)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    raise
+                remove_orphaned_tmp(self.path)
+                write_atomically(self.path, text)
         except OSError as e:
             self._warn(
                 f"could not be written ({e.strerror or e})",
                 "the measurements of this run are kept in memory only",
             )
             return
+        for k in self._removed:
+            self._ops.pop(k, None)
         self._ops.update(disk_ops)
         self._calibration.update(disk_cal)
         self._dirty_ops.clear()
         self._dirty_cal.clear()
+        self._replaced.clear()
+        self._removed.clear()
 
 
-# -- recovery: backups of bad files, orphaned temporary files ----------------------------------
-def _backup(path: str) -> str:
-    """Move ``path`` to a fresh ``<path>.corrupt-<YYYYmmdd-HHMMSS>-<pid>[-N]``; the name.
+def read_store_file(path: str) -> dict[str, Any]:
+    """The parsed document of a store file, for inspection only: nothing is moved, written or
+    validated beyond the format. Raises ``ValueError`` saying why it is not a store file, and
+    ``OSError`` if it cannot be read.
 
-    ``os.link`` fails instead of replacing an existing file, so even two processes backing up
-    at the same second never overwrite each other's (or an earlier) backup.
+    Example::
+
+        >>> read_store_file("profiles/this.json")["ops"]       # doctest: +SKIP
+        {...}
     """
-    stem = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    for n in range(1, 1000):
-        aside = stem if n == 1 else f"{stem}-{n}"
-        try:
-            os.link(path, aside)
-        except FileExistsError:
-            continue
-        except OSError:  # no hard links here (some network/FAT file systems): check, rename
-            if os.path.lexists(aside):
-                continue
-            os.rename(path, aside)
-            return aside
-        os.unlink(path)
-        return aside
-    raise FileExistsError(f"too many backups named {stem}-*")
-
-
-def _host_tag() -> str:
-    # Letters and digits only: the tag sits between '.' and '-' separators of the name.
-    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
-
-
-def _tmp_prefix(path: str) -> str:
-    """``<name>.<host>-<pid>.``: whoever finds the file later can tell if its writer lives."""
-    return f"{os.path.basename(path)}.{_host_tag()}-{os.getpid()}."
-
-
-def _pid_alive(pid: int) -> bool:
-    if os.name == "nt":  # os.kill(pid, 0) would send Ctrl-C there: leave it to the age rule
-        return True
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, owned by someone else
-        return True
-    return True
-
-
-def _remove_orphaned_tmp(path: str, now: float | None = None) -> list[str]:
-    """Delete temporary files a killed writer of ``path`` left behind; the paths removed.
-
-    Orphans are ``<name>.<host>-<pid>.<random>.tmp`` files of this host whose writer process
-    is gone, and any ``<name>.*.tmp`` older than ``STALE_TMP_S`` (another host's writer, or a
-    reused pid). Called under the directory lock, so no writer that takes it is mid-write.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    base = re.escape(os.path.basename(path))
-    pattern = re.compile(rf"^{base}\.(?:(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)\.)?[^.]+\.tmp$")
-    now = time.time() if now is None else now
-    host, removed = _host_tag(), []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = pattern.match(name)
-        if m is None:
-            continue
-        full = os.path.join(directory, name)
-        try:
-            old = now - os.stat(full).st_mtime > STALE_TMP_S
-            dead = m["host"] == host and m["pid"] is not None and not _pid_alive(int(m["pid"]))
-            if old or dead:
-                os.unlink(full)
-                removed.append(full)
-        except OSError:  # gone already, or not ours to delete: leave it
-            continue
-    return removed
-
-
-@contextlib.contextmanager
-def _dir_lock(directory: str) -> Iterator[None]:
-    """Serialise read-merge-write between processes sharing a profile directory.
-
-    Best effort: a POSIX ``flock`` on the directory itself (no lock files left behind). Where
-    that is unavailable, ``os.replace`` still keeps the file whole; only a concurrent merge
-    could then lose the other process's newest entries, which are simply re-measured.
-    """
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        yield
-        return
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # e.g. a file system without flock
-            pass
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not a JSON profile store ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != STORE_FORMAT:
+        raise ValueError(f"{path} is not an autopar profile (format {STORE_FORMAT!r})")
+    if not isinstance(data.get("ops"), dict):
+        raise ValueError(f"{path} has no 'ops' table")
+    return data

@@ -74,6 +74,7 @@ import linecache
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -187,10 +188,33 @@ def intra_op_threads(k: int):
 
 
 # -- per-call state -----------------------------------------------------------------------
+_timing = threading.local()
+
+
+@contextlib.contextmanager
+def stream_timings():
+    """Time each stream function of the multi-stream calls made inside the block, on this
+    thread: yields a dict filled with ``{stream id: seconds}`` (the monitor's per-stream
+    samples). A documented hook: nothing in the generated program is patched.
+
+    Example::
+
+        >>> with stream_timings() as segs:
+        ...     out = program.fn(*args)     # doctest: +SKIP
+    """
+    segs: dict[int, float] = {}
+    before = getattr(_timing, "segs", None)
+    _timing.segs = segs
+    try:
+        yield segs
+    finally:
+        _timing.segs = before
 class CallState:
     """Everything one call of a multi-stream program shares between its streams."""
 
-    __slots__ = ("v", "ev", "args", "timeout_s", "errors", "aborted", "_done", "_n_workers")
+    __slots__ = (
+        "v", "ev", "args", "timeout_s", "errors", "aborted", "_done", "_n_workers", "segs",
+    )  # fmt: skip
 
     def __init__(self, n_slots: int, n_events: int, args: Sequence, timeout_s: float = 0.0):
         self.v: list[Any] = [None] * n_slots
@@ -201,6 +225,8 @@ class CallState:
         self.aborted = False
         self._done = threading.Semaphore(0)
         self._n_workers = 0
+        # stream id -> seconds its function ran, when the caller asked (stream_timings)
+        self.segs: dict[int, float] | None = getattr(_timing, "segs", None)
 
     def wait(self, i: int) -> None:
         """Block until event ``i`` is set; raise ``_Aborted`` if another stream failed."""
@@ -275,12 +301,15 @@ def _worker_loop(q: queue.SimpleQueue) -> None:
     torch.get_num_threads()  # initialise this thread's OpenMP ICV from the process default
     while True:
         fn, threads, st, stream = q.get()
+        t0 = time.perf_counter()
         try:
             set_thread_local_threads(threads)
             fn(st)
         except BaseException as exc:  # noqa: BLE001 - every error goes to the caller
             st.abort(stream, exc)
         finally:
+            if st.segs is not None:
+                st.segs[stream] = time.perf_counter() - t0
             st._done.release()
 
 
@@ -329,12 +358,15 @@ def run_streams(spec: StreamSpec, st: CallState) -> Any:
     try:
         pool.submit(spec, st)
         main_id = spec.stream_ids[0] if spec.stream_ids else 0
+        t0 = time.perf_counter()
         try:
             with intra_op_threads(spec.main_threads):
                 result = spec.main(st)
         except BaseException as exc:  # noqa: BLE001
             st.abort(main_id, exc)
             result = None
+        if st.segs is not None:
+            st.segs[main_id] = time.perf_counter() - t0
         _join(st)
         if st.errors:
             stream, exc = st.errors[0]

@@ -1,31 +1,40 @@
 """``autopar bench``: time whole training steps of eager, ``torch.compile`` and autopar.
 
 Every contender trains its own deep copy of the same model (same initial weights, same
-inputs, same target, same optimizer) and the contenders are *interleaved*: each round runs one
-training step of every contender, in a rotating order, so a slow phase of the machine (another
-process, thermal throttling) hits all of them alike. A training step is
-``zero_grad -> forward -> loss -> backward -> optimizer.step``; the table reports the median
-over ``--steps`` rounds after ``--warmup`` rounds. The first step of a compiled contender does
-its compilation (``torch.compile``: Dynamo + Inductor; autopar: capture + profile + plan +
-codegen); it is reported separately as "compile" and never counted in the medians.
+inputs, same target, same optimizer). A training step is ``zero_grad -> forward -> loss ->
+backward -> optimizer.step``. The run of one model has three phases:
 
-autopar's cost model predicts the forward + backward time of its plan; the table compares
+1. **First steps**, one contender at a time: eager, then ``torch.compile`` (Dynamo + Inductor,
+   a cold compile in a fresh Inductor cache), then autopar (capture + profile + plan + measure;
+   its Inductor tier starts compiling in a background process). Each is reported as "1st
+   step s", the time to first step; it is never counted in the medians.
+2. **autopar settles**, alone (so that its race times whole steps undisturbed):
+   ``autopar.wait`` until the background compiles are done, then autopar-only steps until
+   every graph's tier has landed or lost and the race of eager against compiled steps has a
+   verdict (at most ``--settle-steps``). The table reports how long this took, which executor
+   runs each graph, and the race verdict.
+3. **Steady state**, interleaved: ``--warmup`` untimed and ``--steps`` timed rounds; each
+   round runs one step of every contender in a rotating order, so a slow phase of the machine
+   hits all of them alike. Medians, and ratios vs eager and vs the best of eager and
+   ``torch.compile``.
+
+autopar's cost model predicts the forward + backward time of its plans; the table compares
 that with autopar's measured forward + backward time (the optimizer step is not planned).
 
 Example::
 
-    autopar bench --models towers,inception --steps 20
+    autopar bench --quick                              # a smoke run, about a minute
+    autopar bench --models towers,bert --steps 20
     python benchmarks/bench_training.py --models towers --no-inductor
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import csv
 import json
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -35,60 +44,25 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
-from autopar.tools import zoo
 from autopar.tools.args import positive_int
+from autopar.tools.bench_models import BENCH_MODELS, BenchModel, default_models, make_loss
+from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench's public names
+    CSV_COLUMNS,
+    _load,
+    format_result,
+    format_summary,
+    meta,
+    tier_on,
+    write_csv,
+)
+from autopar.tools.bench_settle import autopar_final, autopar_settle, inductor_cache
 
-
-# -- the models ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BenchModel:
-    """One benchmark model: a zoo model at a size that takes milliseconds per step here."""
-
-    name: str
-    description: str
-    make: Callable[[], nn.Module]
-    input_shapes: tuple[tuple[int, ...], ...]
-
-
-BENCH_MODELS: dict[str, BenchModel] = {
-    m.name: m
-    for m in (
-        BenchModel(
-            "inception",
-            "Inception-style CNN: 2 blocks of 4 conv branches, 16 channels each",
-            lambda: zoo.InceptionCNN(c_in=3, c=16, blocks=2),
-            ((16, 3, 16, 16),),
-        ),
-        BenchModel(
-            "towers",
-            "multi-tower MLP: 4 independent towers of 4x256 Linear, concatenated",
-            lambda: zoo.MultiTowerMLP(d_in=64, hidden=256, towers=4, depth=4),
-            ((64, 64),),
-        ),
-        BenchModel(
-            "lstm_cells",
-            "stacked nn.LSTMCell loop: 2 layers x 128 hidden, 16 time steps",
-            lambda: zoo.LSTMCellStack(d_in=32, hidden=128, layers=2),
-            ((16, 16, 32),),
-        ),
-        BenchModel(
-            "transformer",
-            "Transformer encoder: 2 layers, d=64, 4 heads, ff=128",
-            lambda: zoo.Transformer(d=64, heads=4, layers=2, ff=128),
-            ((8, 16, 64),),
-        ),
-        BenchModel(
-            "deep_mlp",
-            "plain deep MLP: 8 x 512 Linear chain (nothing runs concurrently)",
-            lambda: zoo.DeepMLP(d=512, depth=8),
-            ((64, 512),),
-        ),
-    )
-}
 CONTENDERS = ("eager", "torch.compile", "autopar")
+#: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
+QUICK = {"models": ["deep_mlp"], "steps": 5, "warmup": 1, "settle_steps": 25}
+DEFAULTS = {"steps": 20, "warmup": 3, "settle_steps": 60}
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -99,35 +73,64 @@ def _model_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown benchmark model(s) {unknown or text!r}; choose from {','.join(BENCH_MODELS)}"
         )
+    missing = [f"{n} needs {m.requires}" for n in names if not (m := BENCH_MODELS[n]).available]
+    if missing:
+        raise argparse.ArgumentTypeError(
+            f"{'; '.join(missing)}: pip install 'autopar[bench]' (or drop the model)"
+        )
     return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autopar bench`` (also used by ``benchmarks/bench_training.py``)."""
     parser.description = (
-        "Time full training steps (forward + backward + optimizer step) of eager PyTorch, "
-        "torch.compile (Inductor) and autopar on the same models, interleaved in one process. "
-        "Prints medians, speedups over eager and autopar's predicted vs measured time; writes "
-        "JSON and CSV."
+        "Time full training steps (forward + loss + backward + optimizer step) of eager "
+        "PyTorch, torch.compile (Inductor) and autopar on the same models, interleaved in one "
+        "process, after autopar's background tiers and race have settled. Prints medians, "
+        "ratios vs eager and vs the best of eager/torch.compile, time to first step, when the "
+        "fastest tier landed, the executor per graph and the race verdict; writes JSON and CSV."
     )
     parser.add_argument(
         "--models",
         type=_model_list,
-        default=list(BENCH_MODELS),
+        default=None,
         metavar="M1,M2",
-        help=f"comma-separated models to run (default: all of {','.join(BENCH_MODELS)})",
+        help=f"comma-separated models to run, from {','.join(BENCH_MODELS)} (default: all "
+        "whose packages are installed; bert and gpt2 need transformers)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: models {','.join(QUICK['models'])} unless --models, "
+        f"{QUICK['steps']} steps, {QUICK['warmup']} warm-up, at most {QUICK['settle_steps']} "
+        "settle steps",
     )
     parser.add_argument(
         "--steps",
         type=positive_int,
-        default=20,
-        help="timed training steps per contender; the median is reported (default 20)",
+        default=None,
+        help=f"timed training steps per contender; the median is reported (default "
+        f"{DEFAULTS['steps']})",
     )
     parser.add_argument(
         "--warmup",
         type=int,
-        default=3,
-        help="untimed steps after the first (compiling) step, before timing (default 3)",
+        default=None,
+        help="untimed interleaved rounds after autopar settled, before timing (default "
+        f"{DEFAULTS['warmup']})",
+    )
+    parser.add_argument(
+        "--settle-steps",
+        type=int,
+        default=None,
+        help="at most this many autopar-only steps after autopar.wait, for its tiers to land "
+        f"and its race to decide (default {DEFAULTS['settle_steps']}; 0: none)",
+    )
+    parser.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=900.0,
+        help="seconds autopar.wait may block for background compiles (default 900)",
     )
     parser.add_argument(
         "--streams",
@@ -144,7 +147,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-inductor",
         action="store_true",
-        help="skip torch.compile (its CPU compilation takes tens of seconds per model)",
+        help="no Inductor anywhere: skip torch.compile and compile autopar with "
+        "inductor=False (Inductor's CPU compiles take tens of seconds per model)",
+    )
+    parser.add_argument(
+        "--no-tier",
+        action="store_true",
+        help="autopar without its Inductor tier (inductor=False); torch.compile still runs. "
+        "Default: autopar.compile's default ($AUTOPAR_INDUCTOR, on unless set to 0)",
+    )
+    parser.add_argument(
+        "--no-background",
+        action="store_true",
+        help="autopar with background=False: its Inductor tier compiles in the first step",
+    )
+    parser.add_argument(
+        "--no-race",
+        action="store_true",
+        help="autopar with race=False: always the compiled path, no eager safety net",
+    )
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="use Inductor's usual on-disk cache (default: a fresh empty cache per model and "
+        "contender, so first steps and tier times are cold-start times)",
     )
     parser.add_argument(
         "--optimizer",
@@ -166,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default="results/bench.json",
-        help="write the results as JSON here (default results/bench.json)",
+        help="write the results as JSON here (default results/bench.json; '' for none)",
     )
     parser.add_argument(
         "--csv", default=None, help="also write one CSV row per model and contender here"
@@ -174,6 +200,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of weights and inputs (default 0)"
     )
+
+
+def resolve_args(args) -> argparse.Namespace:
+    """Fill the defaults that depend on ``--quick`` (models, steps, warm-up, settle steps)."""
+    quick = getattr(args, "quick", False)
+    if getattr(args, "models", None) is None:
+        args.models = [m for m in QUICK["models"] if BENCH_MODELS[m].available] if quick else (
+            default_models()
+        )
+    for name, default in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, QUICK[name] if quick else default)
+    if args.warmup < 0 or args.settle_steps < 0:
+        raise SystemExit("autopar bench: --warmup and --settle-steps must be >= 0")
+    for name, default in (("no_tier", False), ("no_background", False), ("no_race", False),
+                          ("warm_cache", False), ("wait_timeout", 900.0), ("no_adapt", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)  # a Namespace built by hand (tests, scripts)
+    return args
 
 
 # -- one contender -----------------------------------------------------------------------------
@@ -190,6 +235,8 @@ class Contender:
     losses: list[float] = field(default_factory=list)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    t_first: float = 0.0  # perf_counter at the start of the first step
+    watch: Any = None  # autopar: its TierWatch, from the settle phase on
 
     def median_ms(self, which: str = "step") -> float | None:
         xs = self.step_s if which == "step" else self.fwbw_s
@@ -209,17 +256,31 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def _train_step(c: Contender, inputs, target) -> tuple[float, float, float]:
+def _train_step(c: Contender, inputs, loss_fn: Callable) -> tuple[float, float, float]:
     """One training step; returns (step seconds, forward+backward seconds, loss)."""
     t0 = time.perf_counter()
     c.opt.zero_grad(set_to_none=True)
     out = c.module(*inputs)
-    loss = F.mse_loss(out, target)
+    loss = loss_fn(out)
     loss.backward()
     t1 = time.perf_counter()
     c.opt.step()
     t2 = time.perf_counter()
     return t2 - t0, t1 - t0, loss.item()
+
+
+def autopar_options(args) -> dict[str, Any]:
+    """The ``autopar.compile`` keyword arguments the bench's options ask for."""
+    opts: dict[str, Any] = {"streams": args.streams, "policy": args.policy, "store": args.store}
+    if args.no_adapt:
+        opts["adapt"] = False
+    if args.no_inductor or args.no_tier:
+        opts["inductor"] = False
+    if args.no_background:
+        opts["background"] = False
+    if args.no_race:
+        opts["race"] = False
+    return opts
 
 
 def _make_contenders(model: nn.Module, args) -> list[Contender]:
@@ -235,10 +296,7 @@ def _make_contenders(model: nn.Module, args) -> list[Contender]:
         elif name == "torch.compile":
             module = torch.compile(m)
         else:
-            extra = {"adapt": False} if getattr(args, "no_adapt", False) else {}
-            module = autopar.api.compile(
-                m, streams=args.streams, policy=args.policy, store=args.store, **extra
-            )
+            module = autopar.api.compile(m, **autopar_options(args))
         out.append(Contender(name, module, _optimizer(args.optimizer, m)))
     return out
 
@@ -274,12 +332,13 @@ def autopar_prediction(cmodel) -> dict[str, Any]:
 
 # -- one model ---------------------------------------------------------------------------------
 def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
-    """Interleaved training-step timing of every contender on one model; returns a result dict."""
+    """The three phases on one model (see the module's docstring); returns a result dict."""
+    args = resolve_args(args)
     torch.manual_seed(args.seed)
     model = spec.make()
-    inputs = tuple(torch.randn(s) for s in spec.input_shapes)
+    inputs = spec.make_inputs()
     with torch.no_grad():
-        target = torch.randn_like(model(*inputs))
+        loss_fn = make_loss(spec, model(*inputs))
     contenders = _make_contenders(model, args)
     caught: list[str] = []
 
@@ -292,7 +351,7 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
         try:
             with warnings.catch_warnings(record=True) as ws:
                 warnings.simplefilter("always")
-                step, fwbw, loss = _train_step(c, inputs, target)
+                step, fwbw, loss = _train_step(c, inputs, loss_fn)
             caught.extend(f"{c.name}: {w.category.__name__}: {w.message}" for w in ws)
         except Exception as exc:  # noqa: BLE001 - one contender failing must not stop the bench
             c.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -304,29 +363,42 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
             c.fwbw_s.append(fwbw)
         c.losses.append(loss)
 
-    for c in contenders:  # first step: compilation (one contender at a time, not interleaved)
-        run(c, record=False)
-    for i in range(args.warmup + args.steps):
+    ap = next(c for c in contenders if c.name == "autopar")
+    settle: dict[str, Any] = {}
+    for c in contenders:  # phase 1: first steps, one contender at a time
+        label = f"{spec.name}-{c.name.replace('.', '_')}"
+        with inductor_cache(args, label) if c.name != "eager" else contextlib.nullcontext():
+            c.t_first = time.perf_counter()
+            run(c, record=False)
+            if c is ap and c.error is None:  # phase 2, in the same Inductor cache
+                settle = autopar_settle(c, lambda c=c: run(c, record=False), args)
+    for i in range(args.warmup + args.steps):  # phase 3: interleaved rounds
         k = i % len(contenders)  # rotate who goes first
         for c in contenders[k:] + contenders[:k]:
             run(c, record=i >= args.warmup)
+    if settle:
+        settle = autopar_final(ap, settle)
 
     eager = next(c for c in contenders if c.name == "eager")
-    ap = next(c for c in contenders if c.name == "autopar")
     pred = autopar_prediction(ap.module)
     measured_fwbw = ap.median_ms("fwbw")
     err = None
     if pred["predicted_s"] and measured_fwbw:
         err = 100.0 * (pred["predicted_s"] * 1e3 - measured_fwbw) / measured_fwbw
+    base = eager.median_ms()
+    best = min(
+        (m for c in contenders if c.name != "autopar" and (m := c.median_ms()) is not None),
+        default=None,
+    )
     rows = {}
     for c in contenders:
         med = c.median_ms()
-        base = eager.median_ms()
         rows[c.name] = {
             "median_step_ms": med,
             "median_fwbw_ms": c.median_ms("fwbw"),
             "spread_pct": c.spread_pct(),
             "speedup_vs_eager": (base / med) if (med and base) else None,
+            "speedup_vs_best": (best / med) if (med and best) else None,
             "compile_s": None if c.name == "eager" else c.compile_s,
             "first_step_s": c.compile_s,
             "timed_steps": len(c.step_s),
@@ -342,6 +414,7 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
         "contenders": rows,
         "autopar": {
             **pred,
+            **settle,
             "predicted_fwbw_ms": pred["predicted_s"] * 1e3 if pred["predicted_s"] else None,
             "serial_fwbw_ms": pred["serial_s"] * 1e3 if pred["serial_s"] else None,
             "measured_fwbw_ms": measured_fwbw,
@@ -351,157 +424,24 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
     }
 
 
-# -- printing ------------------------------------------------------------------------------------
-def _fmt(x: float | None, spec: str, none: str = "-") -> str:
-    return none if x is None else format(x, spec)
-
-
-def format_result(res: dict[str, Any], args) -> str:
-    """The table of one model, as printed."""
-    lines = [
-        f"== {res['model']}: {res['description']}",
-        f"   input {' + '.join('x'.join(map(str, s)) for s in res['input_shapes'])}, "
-        f"{res['parameters']:,} parameters, {args.optimizer.upper()}, median of "
-        f"{args.steps} interleaved steps after {args.warmup} warm-up",
-        f"   {'contender':<14} {'step ms':>9} {'(IQR %)':>8} {'fw+bw ms':>9} {'eager/x':>8} "
-        f"{'compile s':>10}",
-    ]
-    for name, r in res["contenders"].items():
-        if r["error"]:
-            lines.append(f"   {name:<14} FAILED: {r['error']}")
-            continue
-        lines.append(
-            f"   {name:<14} {_fmt(r['median_step_ms'], '9.3f')} {_fmt(r['spread_pct'], '7.0f'):>8} "
-            f"{_fmt(r['median_fwbw_ms'], '9.3f')} {_fmt(r['speedup_vs_eager'], '7.2f') + 'x':>8} "
-            f"{_fmt(r['compile_s'], '10.1f')}"
-        )
-        lines.extend(f"   {'':<14} note: {n}" for n in sorted(set(r["notes"])))
-    a = res["autopar"]
-    if a["predicted_fwbw_ms"] is not None:
-        lines.append(
-            f"   autopar cost model: predicted fw+bw {a['predicted_fwbw_ms']:.3f} ms, measured "
-            f"{_fmt(a['measured_fwbw_ms'], '.3f')} ms -> error "
-            f"{_fmt(a['prediction_error_pct'], '+.1f')}%"
-        )
-        lines.append(
-            f"   plan: policy {'/'.join(a['policies'])}, {a['streams']} stream(s), predicted "
-            f"serial {a['serial_fwbw_ms']:.3f} ms, lower bound {a['lower_bound_s'] * 1e3:.3f} ms"
-        )
-    else:
-        lines.append("   autopar cost model: no plan was made (see the fallbacks below)")
-    if a.get("replans"):
-        lines.append(
-            f"   autopar re-planned {a['replans']} time(s) during the run: measured times "
-            "drifted from the prediction (re-profiling steps are slower; see --no-adapt)"
-        )
-    for tag, why in a["fallbacks"].items():
-        lines.append(f"   autopar fallback on {tag}: {why}")
-    for w in res["warnings"][:5]:
-        lines.append(f"   warning: {w[:200]}")
-    return "\n".join(lines)
-
-
-def format_summary(results: list[dict[str, Any]]) -> str:
-    """One line per model: speedups over eager and the cost model's error."""
-    lines = [
-        "== summary: speedup over eager (eager step time / contender step time; >1 is faster)",
-        f"   {'model':<12} {'torch.compile':>13} {'autopar':>8} {'cost-model error':>17}",
-    ]
-    for res in results:
-        c = res["contenders"]
-
-        def sp(name, c=c):
-            r = c.get(name)
-            if r is None:
-                return "skipped"
-            return "failed" if r["error"] else _fmt(r["speedup_vs_eager"], ".2f") + "x"
-
-        err = _fmt(res["autopar"]["prediction_error_pct"], "+.1f", "n/a")
-        lines.append(
-            f"   {res['model']:<12} {sp('torch.compile'):>13} {sp('autopar'):>8} "
-            f"{err + ('%' if err != 'n/a' else ''):>17}"
-        )
-    return "\n".join(lines)
-
-
-# -- output files ----------------------------------------------------------------------------------
-CSV_COLUMNS = [
-    "model",
-    "contender",
-    "median_step_ms",
-    "median_fwbw_ms",
-    "spread_pct",
-    "speedup_vs_eager",
-    "compile_s",
-    "timed_steps",
-    "predicted_fwbw_ms",
-    "prediction_error_pct",
-    "error",
-]
-
-
-def write_csv(path: str, results: list[dict[str, Any]]) -> None:
-    _parent(path)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for res in results:
-            for name, r in res["contenders"].items():
-                row = {"model": res["model"], "contender": name}
-                row.update({k: r.get(k) for k in CSV_COLUMNS if k in r})
-                if name == "autopar":
-                    row["predicted_fwbw_ms"] = res["autopar"]["predicted_fwbw_ms"]
-                    row["prediction_error_pct"] = res["autopar"]["prediction_error_pct"]
-                w.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-
-
-def _parent(path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-
-
-def _load() -> float | None:
-    """The 1-minute load average, where the OS has one."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
-def meta(args, default_threads: int) -> dict[str, Any]:
-    """The conditions of the run, stored next to the numbers."""
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "intra_op_threads": default_threads,
-        "load_average_1min_at_end": _load(),
-        "optimizer": args.optimizer,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "streams": args.streams,
-        "policy": args.policy,
-        "adapt": not getattr(args, "no_adapt", False),
-        "inductor": not args.no_inductor,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
 def main(args) -> int:
     """Run the benchmark described by ``args`` (from ``add_arguments``); 0 on success."""
-    if args.warmup < 0:
-        raise SystemExit("autopar bench: --warmup must be >= 0")
+    args = resolve_args(args)
     default_threads = torch.get_num_threads()
     names = ", ".join(c for c in CONTENDERS if not (c == "torch.compile" and args.no_inductor))
+    tier = "on" if tier_on(args) else "off"
     print(
-        f"autopar bench: training steps of {names} on {len(args.models)} model(s), "
-        f"interleaved round-robin in this process.\n"
+        f"autopar bench: training steps of {names} on {len(args.models)} model(s) "
+        f"({','.join(args.models)}), in one process.\n"
         f"   torch {torch.__version__}, {os.cpu_count()} CPU(s), {default_threads} intra-op "
-        f"threads; a 'step' is zero_grad + forward + MSE loss + backward + "
-        f"{args.optimizer.upper()} step.\n"
-        f"   'compile s' is the first step of each compiled contender (not in the medians); "
-        f"'eager/x' > 1 means faster than eager;\n   '(IQR %)' is the spread of the step "
+        f"threads; a 'step' is zero_grad + forward + loss + backward + "
+        f"{args.optimizer.upper()} step. autopar's Inductor tier: {tier}; Inductor cache: "
+        f"{'warm (the usual one)' if args.warm_cache else 'fresh per model and contender'}.\n"
+        "   '1st step s' is each contender's first step (compilation included, not in the "
+        "medians); autopar then settles alone\n   (autopar.wait, then steps until its tiers "
+        "landed and its race decided) before the interleaved timed rounds.\n"
+        "   'eager/x' and 'best/x': eager's (or the faster of eager and torch.compile's) median "
+        "over the contender's; > 1 is faster.\n   '(IQR %)' is the spread of the step "
         "times (interquartile range / median): large values mean a noisy measurement.",
         flush=True,
     )
@@ -524,7 +464,7 @@ def main(args) -> int:
     print("\n" + format_summary(results))
     doc = {"meta": meta(args, default_threads), "results": results}
     if args.out:
-        _parent(args.out)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"\nresults: {args.out}")
