@@ -135,6 +135,7 @@ class Step:
         self._key = None
         self._owned: list[list[str]] = []  # pipeline: names held by each stage
         self._hooks: list = []
+        self._subs: dict = {}  # parameter -> its one-parameter optimizer (see _step_one)
         self._overlap_active = False
         self._lock = threading.Lock()
         n, st = self.env.world_size, cfg["stages"]
@@ -294,19 +295,23 @@ class Step:
 
     def _step_one(self, p: torch.Tensor, gi: int) -> None:
         """Step the user's optimizer on ``p`` alone (its group's current hyper-parameters;
-        its state lands in ``optimizer.state[p]`` as with a plain step)."""
+        its state lands in ``optimizer.state[p]`` as with a plain step).
+
+        Through a one-parameter optimizer of the same type that shares the user's
+        ``state`` dict, with the group's hyper-parameters copied in before each step (so a
+        scheduler's new ``lr`` applies); the user's optimizer itself is never modified."""
         if not self._overlap_active:
             return  # a backward outside step(): leave the gradient to the user
         opt = self.optimizer
         with self._lock:
-            groups = opt.param_groups
-            one = dict(groups[gi])
-            one["params"] = [p]
-            opt.param_groups = [one]
-            try:
-                opt.step()
-            finally:
-                opt.param_groups = groups
+            group = opt.param_groups[gi]
+            sub = self._subs.get(p)
+            if sub is None:
+                sub = type(opt)([dict(group, params=[p])], **opt.defaults)
+                sub.state = opt.state  # the same dict: state lands in optimizer.state[p]
+                self._subs[p] = sub
+            sub.param_groups[0].update((k, v) for k, v in group.items() if k != "params")
+            sub.step()
 
     @contextmanager
     def _overlapping(self, on: bool):
