@@ -363,14 +363,15 @@ class Monitor:
         if h not in st.fake:
             st.fake[h] = 0.0
             if st.true_table is not None:
-                from autopar.planning.partition import default_machine
+                from autopar.planning.partition import default_machine, graph_device
                 from autopar.planning.simulate import simulate
                 from autopar.planning.taskgraph import task_graph_from_profile
 
-                machine = default_machine(self.pipeline.store)
                 s = []
                 for t in (self._scaled(st.true_table), st.true_table):
                     g = task_graph_from_profile(t)
+                    # the model of the graph's own device (one per device, calibrated once)
+                    machine = default_machine(self.pipeline.store, graph_device(g))
                     r = simulate(g, plan.placement, list(plan.order), list(plan.streams), machine)
                     s.append(r.makespan)
                 st.fake[h] = max(0.0, s[0] - s[1])
