@@ -25,6 +25,7 @@ LAYERS = (
     "rnn",
     "adapt",
     "pipeline",
+    "inspection",
     "api",
     "parallel",
     "tools",

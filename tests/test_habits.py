@@ -86,3 +86,20 @@ def test_cold_compile_leaves_the_users_rng_stream_alone():
     env_out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                              timeout=300)  # fmt: skip
     assert env_out.stdout.strip().splitlines()[-1] == "True", env_out.stderr[-2000:]
+
+
+def test_explain_is_a_structured_report():
+    m = _mlp()
+    cm = autopar.compile(m, store=ProfileStore.memory())
+    ex = autopar.explain(cm)
+    assert not ex.graphs and "nothing compiled yet" in ex
+    for _ in range(3):
+        cm(torch.randn(4, 8)).sum().backward()
+    ex = autopar.explain(cm)
+    assert [u.tag for u in ex.graphs] == ["g0.fw", "g0.bw"]
+    assert all(u.executor == "plan" for u in ex.graphs) and ex.graph_breaks == 0
+    assert ex.compile_seconds > 0 and not ex.fallbacks
+    (verdict, why), = ex.steps.values()
+    assert verdict is None and "racing" in why  # 3 steps: the race is still running
+    text = str(ex)
+    assert text.startswith(ex.summary()) and "def forward" in text  # summary, then programs

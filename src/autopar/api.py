@@ -7,7 +7,7 @@ Example::
     >>> cmodel = autopar.compile(model, streams=2)      # compiles lazily, on the first call
     >>> loss = cmodel(torch.randn(4, 8)).sum()
     >>> loss.backward()                                 # gradients land in model's Parameters
-    >>> "def " in autopar.explain(cmodel)               # the generated program(s) that ran
+    >>> "def " in str(autopar.explain(cmodel))          # the generated program(s) that ran
     True
 """
 
@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.adapt.monitor import AdaptOptions, describe_key
+from autopar.adapt.monitor import AdaptOptions
 from autopar.capture.backend import GraphRecord, dynamo_compile
 from autopar.errors import CaptureError
+from autopar.inspection import Explanation, explanation
 from autopar.pipeline import Pipeline
 
 
@@ -214,29 +215,20 @@ def wait(cmodel: CompiledModule, timeout: float | None = None) -> bool:
     return cmodel._autopar_pipeline.wait(timeout)
 
 
-def explain(cmodel: CompiledModule) -> str:
-    """The exact source of the program(s) that run, one per captured graph.
+def explain(cmodel: CompiledModule) -> Explanation:
+    """What the compiler decided, as an :class:`autopar.inspection.Explanation`: per graph
+    the executor, plan, measurements and provenance; the eager/compiled race per input
+    signature; the tiers that landed. ``print()`` shows a summary, then the exact source of
+    every program that runs (call after the first forward and backward).
 
-    Call after the first forward (and backward, for the backward program)."""
+    Example::
+
+        ex = autopar.explain(cmodel)
+        print(ex.summary()); ex.graphs[0].executor; ex.steps; ex.fallbacks
+    """
     if not isinstance(cmodel, CompiledModule):
         raise TypeError(f"explain() expects the result of autopar.compile, got {type(cmodel)}")
-    pipeline = cmodel._autopar_pipeline
-    records = pipeline.records
-    if not records:
-        return "# nothing compiled yet: call the model once (and .backward()) first\n"
-    parts = [
-        f"# steps with input signature {describe_key(k)}: "
-        + (f"{verdict} ({why})" if verdict else why)
-        for k, (verdict, why) in pipeline.race.report().items()
-    ]
-    parts += [f"# tier {e}" for e in (pipeline.tiers.events if pipeline.tiers else ())]
-    for r in records:
-        if r.program is not None:
-            parts.append(r.program.source)
-        else:
-            why = r.fallback or "not run yet"
-            parts.append(f"# {r.tag}: runs the captured graph as it is ({why})\n{r.gm.code}")
-    return "\n\n".join(parts)
+    return explanation(cmodel._autopar_pipeline)
 
 
 @dataclass

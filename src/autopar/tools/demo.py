@@ -231,7 +231,7 @@ def _write_outputs(cmodel, out_dir: str, eager_losses, ap_losses) -> dict[str, s
 
     os.makedirs(out_dir, exist_ok=True)
     files: dict[str, str] = {}
-    records = cmodel._autopar_pipeline.records
+    records = autopar.api.graphs(cmodel)
     plans = [r.plan for r in records if r.plan is not None]
     if plans:  # forward and backward plans, as one plan that runs them one after another
         plan = Plan.combine(plans)
@@ -245,7 +245,7 @@ def _write_outputs(cmodel, out_dir: str, eager_losses, ap_losses) -> dict[str, s
         pd.concat(tables, ignore_index=True).to_csv(files["profile table"], index=False)
     files["program"] = os.path.join(out_dir, "program.py")
     with open(files["program"], "w") as f:
-        f.write(autopar.api.explain(cmodel))
+        f.write(str(autopar.api.explain(cmodel)))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = range(1, len(eager_losses) + 1)

@@ -1,0 +1,244 @@
+"""The printed tables, the CSV and the run's conditions of ``autopar bench``
+(:mod:`autopar.tools.bench` measures; this module only formats its result dicts).
+
+Example::
+
+    >>> from autopar.tools.bench_report import _fmt
+    >>> _fmt(1.23456, ".2f"), _fmt(None, ".2f")
+    ('1.23', '-')
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+
+_SHORT = {"inductor": "ind", "plan": "plan", "captured": "capt"}
+
+
+def _fmt(x: float | None, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _ratio(x: float | None) -> str:
+    return _fmt(x, ".2f") + "x" if x is not None else "-"
+
+
+def executors_brief(graphs: list[dict[str, Any]]) -> str:
+    """``fw ind, bw plan`` for one Dynamo graph; ``g0.fw ind, g0.bw plan, g1.fw ...`` else."""
+    if not graphs:
+        return "-"
+    one = all(g["tag"].startswith("g0.") for g in graphs)
+    return ", ".join(
+        f"{g['tag'][3:] if one else g['tag']} {_SHORT.get(g['executor'], g['executor'])}"
+        for g in graphs
+    )
+
+
+def race_brief(race: list[dict[str, Any]]) -> str:
+    """The race verdict(s): ``compiled``, ``eager``, ``racing`` (no verdict yet) or ``-``."""
+    verdicts = sorted({r["verdict"] or "racing" for r in race})
+    return "/".join(verdicts) if verdicts else "-"
+
+
+def format_result(res: dict[str, Any], args) -> str:
+    """The table of one model, as printed."""
+    lines = [
+        f"== {res['model']}: {res['description']}",
+        f"   input {' + '.join('x'.join(map(str, s)) for s in res['input_shapes'])}, "
+        f"{res['parameters']:,} parameters, {args.optimizer.upper()}, median of "
+        f"{args.steps} interleaved steps after {args.warmup} warm-up",
+        f"   {'contender':<14} {'step ms':>9} {'(IQR %)':>8} {'fw+bw ms':>9} {'eager/x':>8} "
+        f"{'best/x':>7} {'1st step s':>10}",
+    ]
+    for name, r in res["contenders"].items():
+        if r["error"]:
+            lines.append(f"   {name:<14} FAILED: {r['error']}")
+            continue
+        lines.append(
+            f"   {name:<14} {_fmt(r['median_step_ms'], '9.3f')} {_fmt(r['spread_pct'], '7.0f'):>8} "
+            f"{_fmt(r['median_fwbw_ms'], '9.3f')} {_ratio(r['speedup_vs_eager']):>8} "
+            f"{_ratio(r.get('speedup_vs_best')):>7} {_fmt(r['first_step_s'], '10.2f')}"
+        )
+        lines.extend(f"   {'':<14} note: {n}" for n in sorted(set(r["notes"])))
+    a = res["autopar"]
+    lines.extend(_autopar_lines(a))
+    if a["predicted_fwbw_ms"] is not None:
+        others = [g["tag"] for g in a.get("graphs", ()) if g["executor"] != "plan"]
+        caveat = f" (not the plan's: {', '.join(others)} run otherwise)" if others else ""
+        lines.append(
+            f"   autopar cost model: predicted fw+bw {a['predicted_fwbw_ms']:.3f} ms, measured "
+            f"{_fmt(a['measured_fwbw_ms'], '.3f')} ms -> error "
+            f"{_fmt(a['prediction_error_pct'], '+.1f')}%{caveat}"
+        )
+        lines.append(
+            f"   plan: policy {'/'.join(a['policies'])}, {a['streams']} stream(s), predicted "
+            f"serial {a['serial_fwbw_ms']:.3f} ms, lower bound {a['lower_bound_s'] * 1e3:.3f} ms"
+        )
+    else:
+        lines.append("   autopar cost model: no plan was made (see the fallbacks below)")
+    if a.get("replans"):
+        lines.append(
+            f"   autopar re-planned {a['replans']} time(s) during the run: measured times "
+            "drifted from the prediction (re-profiling steps are slower; see --no-adapt)"
+        )
+    for tag, why in a["fallbacks"].items():
+        lines.append(f"   autopar fallback on {tag}: {why}")
+    for w in res["warnings"][:5]:
+        lines.append(f"   warning: {w[:200]}")
+    return "\n".join(lines)
+
+
+def _autopar_lines(a: dict[str, Any]) -> list[str]:
+    """autopar's settle phase: the wait, when the fastest tiers were in place, the executor
+    of every graph and the race verdict."""
+    if "settle_steps" not in a:
+        return []
+    fastest = a.get("fastest_tier_s")
+    lines = [
+        f"   autopar tiers: Inductor tier {'on' if a['inductor_tier'] else 'off'}; "
+        f"autopar.wait {a['wait_s']:.1f} s{'' if a['wait_done'] else ' (timed out)'}; every "
+        f"graph on its final executor {_fmt(fastest, '.1f', '?')} s after the first step "
+        f"began; {'settled' if a['settled'] else 'NOT settled'} after {a['settle_steps']} "
+        f"autopar-only step(s), {a['settled_s']:.1f} s after it"
+    ]
+    for g in a.get("graphs", ()):
+        how = g["tier"] or (
+            "no Inductor tier" if not a["inductor_tier"]
+            else "no tier: the graph runs as captured" if g["executor"] == "captured"
+            else "no tier verdict yet"
+        )  # fmt: skip
+        lines.append(f"   autopar {g['tag']:<6} -> {g['executor']:<8} {how}")
+    for r in a.get("race", ()):
+        lines.append(
+            f"   autopar race {r['signature']}: {r['verdict'] or 'no verdict'} ({r['reason']})"
+        )
+    return lines
+
+
+def format_summary(results: list[dict[str, Any]]) -> str:
+    """One line per model: medians, ratios, first steps, tiers, executors and race."""
+    lines = [
+        "== summary: median training step; ratios are eager's (or the faster of eager and "
+        "torch.compile's) median / the contender's (>1 is faster)",
+        "   first steps: torch.compile / autopar, seconds; tiers: s from autopar's first step "
+        "until every graph ran on its final executor",
+        f"   {'model':<12} {'eager ms':>9} {'torch.compile':>13} {'autopar':>8} "
+        f"{'autopar/best':>12} {'1st step tc / ap s':>18} {'tiers s':>8} {'model err':>9}  "
+        f"{'executors':<18} race",
+    ]
+    for res in results:
+        c = res["contenders"]
+
+        def val(name, key, spec, c=c):
+            r = c.get(name)
+            if r is None:
+                return "skipped"
+            return "failed" if r["error"] else _fmt(r[key], spec)
+
+        def sp(name, key="speedup_vs_eager", c=c):
+            r = c.get(name)
+            if r is None:
+                return "skipped"
+            return "failed" if r["error"] else _ratio(r.get(key))
+
+        a = res["autopar"]
+        err = _fmt(a["prediction_error_pct"], "+.0f", "n/a")
+        tc, ap = (val(n, "first_step_s", ".1f") for n in ("torch.compile", "autopar"))
+        first = f"{tc} / {ap}"
+        lines.append(
+            f"   {res['model']:<12} {val('eager', 'median_step_ms', '.3f'):>9} "
+            f"{sp('torch.compile'):>13} {sp('autopar'):>8} "
+            f"{sp('autopar', 'speedup_vs_best'):>12} {first:>18} "
+            f"{_fmt(a.get('fastest_tier_s'), '.1f'):>8} "
+            f"{err + ('%' if err != 'n/a' else ''):>9}  "
+            f"{executors_brief(a.get('graphs', [])):<18} {race_brief(a.get('race', []))}"
+        )
+    return "\n".join(lines)
+
+
+# -- output files ----------------------------------------------------------------------------------
+CSV_COLUMNS = [
+    "model",
+    "contender",
+    "median_step_ms",
+    "median_fwbw_ms",
+    "spread_pct",
+    "speedup_vs_eager",
+    "speedup_vs_best",
+    "compile_s",
+    "first_step_s",
+    "timed_steps",
+    "predicted_fwbw_ms",
+    "prediction_error_pct",
+    "fastest_tier_s",
+    "executors",
+    "race",
+    "error",
+]
+
+
+def write_csv(path: str, results: list[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for res in results:
+            for name, r in res["contenders"].items():
+                row = {"model": res["model"], "contender": name}
+                row.update({k: r.get(k) for k in CSV_COLUMNS if k in r})
+                if name == "autopar":
+                    a = res["autopar"]
+                    row["predicted_fwbw_ms"] = a["predicted_fwbw_ms"]
+                    row["prediction_error_pct"] = a["prediction_error_pct"]
+                    row["fastest_tier_s"] = a.get("fastest_tier_s")
+                    row["executors"] = executors_brief(a.get("graphs", []))
+                    row["race"] = race_brief(a.get("race", []))
+                w.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+
+
+def tier_on(args) -> bool:
+    """Whether autopar compiles with its Inductor tier: off by ``--no-inductor``/``--no-tier``,
+    else autopar.compile's default, ``$AUTOPAR_INDUCTOR`` (on unless 0/false/off)."""
+    if args.no_inductor or getattr(args, "no_tier", False):
+        return False
+    return os.environ.get("AUTOPAR_INDUCTOR", "1").lower() not in ("0", "false", "off", "")
+
+
+def _load() -> float | None:
+    """The 1-minute load average, where the OS has one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def meta(args, default_threads: int) -> dict[str, Any]:
+    """The conditions of the run, stored next to the numbers."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "intra_op_threads": default_threads,
+        "load_average_1min_at_end": _load(),
+        "models": list(args.models),
+        "optimizer": args.optimizer,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "settle_steps": args.settle_steps,
+        "streams": args.streams,
+        "policy": args.policy,
+        "adapt": not getattr(args, "no_adapt", False),
+        "inductor": not args.no_inductor,
+        "autopar_inductor_tier": tier_on(args),
+        "background": not getattr(args, "no_background", False),
+        "race": not getattr(args, "no_race", False),
+        "inductor_cache": "warm" if getattr(args, "warm_cache", False) else "fresh",
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

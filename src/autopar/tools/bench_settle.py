@@ -1,0 +1,139 @@
+"""autopar's second phase in ``autopar bench``: after its first step, wait for the background
+Inductor compiles, then step autopar alone until every graph's tier has landed or lost and
+the race of whole eager steps against compiled steps has a verdict; and record what runs
+each graph, when it got there, and the verdict.
+
+Also :func:`inductor_cache`, the fresh Inductor cache each contender compiles in.
+
+Example::
+
+    >>> settle = autopar_settle(contender, step, args)     # doctest: +SKIP
+    >>> ...interleaved timed steps...
+    >>> settle = autopar_final(contender, settle)          # doctest: +SKIP
+    >>> settle["graphs"][0]["executor"], settle["race"][0]["verdict"]   # doctest: +SKIP
+    ('inductor', 'compiled')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+# -- autopar's tiers and race ------------------------------------------------------------------
+def _settled(pipeline) -> bool:
+    """No tier left to land and every input signature's race has a verdict."""
+    if pipeline.tiers is not None and pipeline.tiers.pending():
+        return False
+    return not pipeline.race.enabled or all(v for v, _ in pipeline.race.report().values())
+
+
+def _tier_stamp(unit):
+    return next((p for p in reversed(unit.provenance) if p.stage == "tier"), None)
+
+
+class TierWatch:
+    """When each graph's final executor was in place, seen from the bench: the end of the
+    first step, or the end of the step in which a tier's provenance stamp appeared."""
+
+    def __init__(self, cmodel, t_first: float, first_step_s: float):
+        self.cmodel, self.t_first, self.first_step_s = cmodel, t_first, first_step_s
+        self.stamped: dict[str, float] = {}  # tag -> s after the first step began
+        self.look()
+
+    def look(self) -> None:
+        import autopar.api
+
+        now = time.perf_counter() - self.t_first
+        for u in autopar.api.graphs(self.cmodel):
+            if u.tag not in self.stamped and _tier_stamp(u) is not None:
+                self.stamped[u.tag] = now if u.executor == "inductor" else self.first_step_s
+
+    def graphs(self) -> list[dict[str, Any]]:
+        import autopar.api
+
+        out = []
+        for u in autopar.api.graphs(self.cmodel):
+            stamp = _tier_stamp(u)
+            since = self.stamped.get(u.tag, self.first_step_s)
+            out.append({
+                "tag": u.tag,
+                "executor": u.executor,
+                "tier": stamp.note if stamp else None,
+                "tier_ready_s": stamp.seconds if stamp else None,
+                "final_since_s": since if u.executor != "inductor" or u.tag in self.stamped
+                else None,
+            })  # fmt: skip
+        return out
+
+
+def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
+    """Phase 2 for autopar: ``autopar.wait``, then autopar-only steps until settled."""
+    import autopar.api
+    from autopar.adapt.shapes import describe_key
+
+    pipeline = c.module._autopar_pipeline
+    watch = TierWatch(c.module, c.t_first, c.compile_s or 0.0)
+    t0 = time.perf_counter()
+    waited = autopar.api.wait(c.module, timeout=args.wait_timeout)
+    wait_s = time.perf_counter() - t0
+    steps = 0
+    while not _settled(pipeline) and steps < args.settle_steps and c.error is None:
+        step()
+        steps += 1
+        watch.look()
+    c.watch = watch
+    return {
+        "inductor_tier": pipeline.tiers is not None,
+        "first_call_s": pipeline.compile_seconds,
+        "wait_s": wait_s,
+        "wait_done": waited,
+        "settle_steps": steps,
+        "settled": _settled(pipeline),
+        "settled_s": time.perf_counter() - c.t_first,
+        "tier_events": list(pipeline.tiers.events) if pipeline.tiers is not None else [],
+        "race": [
+            {"signature": describe_key(k), "verdict": v, "reason": why}
+            for k, (v, why) in pipeline.race.report().items()
+        ],
+    }
+
+
+def autopar_final(c, settle: dict[str, Any]) -> dict[str, Any]:
+    """What runs autopar's graphs at the end of the run, and the race verdict then."""
+    from autopar.adapt.shapes import describe_key
+
+    pipeline = c.module._autopar_pipeline
+    c.watch.look()
+    graphs = c.watch.graphs()
+    since = [g["final_since_s"] for g in graphs]
+    settle = dict(settle)
+    settle["graphs"] = graphs
+    settle["fastest_tier_s"] = max(since) if since and None not in since else None
+    settle["race"] = [
+        {"signature": describe_key(k), "verdict": v, "reason": why}
+        for k, (v, why) in pipeline.race.report().items()
+    ]
+    settle["tier_events"] = list(pipeline.tiers.events) if pipeline.tiers is not None else []
+    return settle
+
+
+@contextlib.contextmanager
+def inductor_cache(args, label: str):
+    """A fresh, empty Inductor cache directory while ``label`` compiles (unless
+    ``--warm-cache``): cold-start times that do not depend on earlier runs."""
+    if args.warm_cache:
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    d = tempfile.mkdtemp(prefix=f"autopar-bench-{label}-")
+    try:
+        with temporary_cache_dir(d):
+            yield
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""``autopar bench``'s table building: the three phases on a tiny model, the columns of the
+per-model table, the summary, the CSV and the JSON-able result; the HF models when
+``transformers`` is installed. No timing is asserted: only that the values are reported."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from autopar.tools import bench, bench_models
+from autopar.tools.bench_models import BenchModel, make_loss
+from autopar.tools.zoo import MLP
+
+HAS_TRANSFORMERS = bench_models.BENCH_MODELS["bert"].available
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
+
+TINY = BenchModel(
+    "tiny_mlp",
+    "3-layer MLP, 16 -> 32 -> 8",
+    lambda: MLP(d_in=16, hidden=32, d_out=8, depth=3),
+    ((4, 16),),
+)
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--no-inductor", "--steps", "2", "--warmup", "0", "--settle-steps", "2"]
+    argv += ["--store", str(tmp_path / "store.json"), "--out", "", *extra]
+    return bench.resolve_args(parser.parse_args(argv))
+
+
+def test_bench_model_reports_every_column(tmp_path):
+    args = _args(tmp_path)
+    res = bench.bench_model(TINY, args, torch.get_num_threads())
+    assert set(res["contenders"]) == {"eager", "autopar"}  # --no-inductor: no torch.compile
+    for name, row in res["contenders"].items():
+        assert row["error"] is None, (name, row["error"])
+        assert row["timed_steps"] == 2
+        for key in ("median_step_ms", "median_fwbw_ms", "speedup_vs_eager", "speedup_vs_best"):
+            assert row[key] is not None, (name, key)
+        assert row["first_step_s"] is not None
+    a = res["autopar"]
+    assert a["inductor_tier"] is False  # inductor=False: no background compile, nothing waits
+    assert a["settle_steps"] <= 2 and a["wait_done"]
+    assert {g["tag"] for g in a["graphs"]} == {"g0.fw", "g0.bw"}
+    assert all(g["executor"] in ("plan", "captured") for g in a["graphs"])
+    assert a["fastest_tier_s"] is not None  # no tier: the first step's executors are final
+    (race,) = a["race"]
+    assert set(race) == {"signature", "verdict", "reason"} and race["reason"]
+    json.dumps(res)  # what --out writes
+
+    table = bench.format_result(res, args)
+    for column in ("step ms", "(IQR %)", "fw+bw ms", "eager/x", "best/x", "1st step s"):
+        assert column in table
+    assert "autopar tiers: Inductor tier off" in table
+    assert "autopar g0.fw" in table and "autopar race" in table
+
+    summary = bench.format_summary([res])
+    for column in ("eager ms", "torch.compile", "autopar/best", "1st step tc / ap s", "tiers s"):
+        assert column in summary
+    assert "tiny_mlp" in summary and "skipped" in summary  # no torch.compile in this run
+
+    path = tmp_path / "r.csv"
+    bench.write_csv(str(path), [res])
+    header, *rows = path.read_text().splitlines()
+    assert header.split(",") == bench.CSV_COLUMNS and len(rows) == 2
+
+
+def test_mse_and_cross_entropy_losses():
+    out = torch.randn(4, 3, 5)
+    assert make_loss(TINY, out)(out).ndim == 0
+    ce = dataclasses.replace(TINY, loss="ce")
+    loss = make_loss(ce, out)(out.requires_grad_())
+    loss.backward()
+    assert loss.ndim == 0 and out.grad.shape == out.shape
+
+
+def test_quick_defaults_and_explicit_options(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    quick = bench.resolve_args(parser.parse_args(["--quick"]))
+    assert quick.models == bench.QUICK["models"] and quick.steps == bench.QUICK["steps"]
+    full = bench.resolve_args(parser.parse_args(["--quick", "--steps", "7", "--models", "towers"]))
+    assert full.models == ["towers"] and full.steps == 7 and full.warmup == bench.QUICK["warmup"]
+    opts = bench.autopar_options(_args(tmp_path, "--no-race", "--no-background"))
+    assert opts["inductor"] is False and opts["race"] is False and opts["background"] is False
+
+
+def test_model_needing_a_missing_package_is_refused(monkeypatch):
+    missing = dataclasses.replace(bench_models.BENCH_MODELS["bert"], requires="no_such_pkg_x")
+    monkeypatch.setitem(bench_models.BENCH_MODELS, "bert", missing)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"bert needs no_such_pkg_x.*autopar\["):
+        bench._model_list("towers,bert")
+    assert "bert" not in bench_models.default_models()
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_hf_models_build_and_train_one_step(name):
+    spec = bench_models.BENCH_MODELS[name]
+    torch.manual_seed(0)
+    model = spec.make()
+    (ids,) = spec.make_inputs()
+    assert ids.dtype == torch.int64 and tuple(ids.shape) == spec.input_shapes[0]
+    out = model(ids)
+    assert out.shape[:-1] == ((8,) if name == "bert" else (8, 64))
+    make_loss(spec, out.detach())(out).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@needs_transformers
+@pytest.mark.slow
+def test_bench_bert_without_inductor(tmp_path):
+    args = _args(tmp_path, "--steps", "1", "--settle-steps", "0")
+    res = bench.bench_model(bench_models.BENCH_MODELS["bert"], args, torch.get_num_threads())
+    assert all(r["error"] is None for r in res["contenders"].values())
+    assert res["autopar"]["graphs"] and "bert" in bench.format_summary([res])
