@@ -104,12 +104,11 @@ def test_verify_flags_fixes_and_skips(store_dir, monkeypatch, capsys):
 
 
 def test_wired_into_the_autopar_parser(store_dir, capsys):
-    """As tools/cli.py wires it: ``store_args(sub)`` next to bench and demo."""
+    """tools/cli.py wires it: ``store_args(sub)`` next to bench and demo."""
     from autopar.tools.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    add_arguments(sub)
     store = sub.choices["store"]
     nested = next(a for a in store._actions if isinstance(a, argparse._SubParsersAction))
     for p in [store, *nested.choices.values()]:

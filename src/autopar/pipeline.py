@@ -106,6 +106,7 @@ class Pipeline:
 
     def prepare(self, record: GraphRecord, args: list):
         """Profile (running the graph once for real), plan, generate; return (out, runner)."""
+        from autopar.profiling.heal import heal
         from autopar.profiling.profiler import profile_graph
 
         self.race.mark_dirty(self.key)  # this step compiles: it does not count in the race
@@ -126,6 +127,13 @@ class Pipeline:
         except Exception:
             _write_debug(record, debug_dir)  # the graph, for a bug report
             raise  # nothing ran for real yet: LazyGraph falls back to the captured graph
+        # The store is checked against this run: entries it contradicts are re-measured
+        # (one StoreWarning names them), so one bad sample never poisons a plan.
+        # Re-measuring runs ops on fresh inputs: the user's RNG streams must not move.
+        cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor)
+                       and a.is_cuda})  # fmt: skip
+        with torch.random.fork_rng(devices=cuda):
+            table, _ = heal(table, store=self.store)
         record.advance("profile", time.perf_counter() - t0, table=table)
         try:
             table = self.monitor.prepared(record, table)

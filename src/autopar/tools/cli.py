@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_args(p)
     p.set_defaults(func=cmd_demo, parser=p)
+    from autopar.tools.store_cmd import add_arguments as store_args
+
+    store_args(sub)  # autopar store show|verify|prune
     for p in sub.choices.values():
         # SUPPRESS: a subcommand's default must not undo `autopar --debug COMMAND`.
         _add_debug_arg(p, argparse.SUPPRESS)
