@@ -103,3 +103,20 @@ def test_explain_is_a_structured_report():
     assert verdict is None and "racing" in why  # 3 steps: the race is still running
     text = str(ex)
     assert text.startswith(ex.summary()) and "def forward" in text  # summary, then programs
+
+
+def test_profile_and_plan_leave_buffers_rng_and_grads_alone():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    m(x).sum().backward()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    grads = [p.grad.clone() for p in m.parameters()]
+    rng = torch.get_rng_state()
+    autopar.profile(m, x, store=ProfileStore.memory())
+    autopar.plan(m, x, streams=2, store=ProfileStore.memory())
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k  # running stats and num_batches_tracked
+    for p, g in zip(m.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)

@@ -238,17 +238,25 @@ class _Run:
 
 
 def _run_once(model: nn.Module, inputs: tuple, **options) -> tuple[CompiledModule, _Run]:
-    """Compile a copy-free wrapper, run forward and backward once (grads restored)."""
+    """Compile a copy-free wrapper, run forward and backward once. No side effects: the
+    gradients, every buffer (BatchNorm statistics) and the RNG state are put back."""
+    options.setdefault("race", False)  # one step: it must be the compiled one
+    options.setdefault("inductor", False)  # profile/plan inspect the plan, not Inductor's
     cmodel = compile(model, **options)
     saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        out = cmodel(*inputs)
-        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        with torch.random.fork_rng(devices=[]):
+            out = cmodel(*inputs)
+            tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
     finally:
         for p, g in saved.items():
             p.grad = g
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
     return cmodel, _Run(out, list(cmodel._autopar_pipeline.records))
 
 

@@ -73,7 +73,7 @@ from autopar.codegen.emit import (
 )
 from autopar.codegen.inductor import TensorMeta, compile_inductor, stand_ins
 from autopar.errors import PlanError, describe_node
-from autopar.planning.plan import Plan
+from autopar.planning.plan import Plan, Sync
 
 
 @dataclass(eq=False)
@@ -135,8 +135,9 @@ def _dependencies(nodes: list[fx.Node], compute: list[fx.Node], plan: Plan, tag:
 
 
 def _walk_order(compute, stream: dict, deps: dict, base: dict, writes: dict) -> list:
-    """Plan order, except for nodes that cost nothing and only relabel one input: they
-    move next to the node that gives them a reason to exist, and onto its stream.
+    """Plan order, in groups that always share a segment: a node with the nodes that
+    cost nothing and only relabel one input, moved next to the node that gives them a
+    reason to exist and onto its stream.
 
     * ``getitem`` of a tuple: right after its producer (a tuple never crosses a boundary).
     * A view or alias (``t``, ``view``, ``detach``...; ``buffer_analysis`` says it shares
@@ -183,21 +184,53 @@ def _walk_order(compute, stream: dict, deps: dict, base: dict, writes: dict) -> 
             n = anchor[n]
         return stream[n]
 
-    walk: list[fx.Node] = []
-
-    def emit(n):
+    def emit(n, group):
         for b in before.get(n, ()):
-            emit(b)
-        walk.append(n)
+            emit(b, group)
+        group.append(n)
         for a in after.get(n, ()):
-            emit(a)
+            emit(a, group)
+        return group
 
-    for n in compute:
-        if n not in anchor:
-            emit(n)
-    for n in walk:
-        stream[n] = home(n)
-    return walk
+    groups = [emit(n, []) for n in compute if n not in anchor]
+    for group in groups:
+        for n in group:
+            stream[n] = home(n)
+    return groups
+
+
+@dataclass
+class _Prepared:
+    """What every cut of one (graph, plan) shares: validated once, re-cut many times."""
+
+    nodes: list[fx.Node]
+    compute: list[fx.Node]  # plan order
+    stream: dict[fx.Node, int]  # the plan's placement, random ops and writes on main
+    main: int
+    ids: list[int]  # the plan's stream ids
+    notes: list[str]
+    deps: dict[fx.Node, set]
+    base: dict
+    writes: dict
+    pinned: set[fx.Node]  # random ops and in-place writes: always on main
+
+
+def _prepare(gm: fx.GraphModule, plan: Plan, tag: str) -> _Prepared:
+    sched = schedule(gm, plan, tag, cuda=False)  # validates; moves RNG ops to main
+    nodes = list(gm.graph.nodes)
+    stream, main, notes = dict(sched.stream), sched.main, list(sched.notes)
+    base, writes = buffer_analysis(nodes)
+    for n in writes:
+        if n in stream and stream[n] != main and not is_rng(n):
+            # in-place writes beside random draws on one thread, in eager order: a write
+            # never races a read of another stream's compiled segment
+            notes.append(f"in-place op {node_key(tag, n.name)} moved from stream "
+                         f"{stream[n]} to stream {main}")  # fmt: skip
+            stream[n] = main
+    pinned = {n for n in sched.compute if is_rng(n) or n in writes}
+    deps = _dependencies(nodes, sched.compute, plan, tag)
+    ids = [s.id for s in plan.streams]
+    return _Prepared(nodes, sched.compute, stream, main, ids, notes, deps, base, writes, pinned)
 
 
 def cut_segments(gm: fx.GraphModule, plan: Plan, tag: str) -> Cut:
@@ -212,27 +245,22 @@ def cut_segments(gm: fx.GraphModule, plan: Plan, tag: str) -> Cut:
         >>> [(s.stream, len(s.nodes)) for s in cut.segments]      # doctest: +SKIP
         [(0, 20), (1, 19), (0, 5)]
     """
-    sched = schedule(gm, plan, tag, cuda=False)  # validates; moves RNG ops to main
-    nodes = list(gm.graph.nodes)
-    stream, main, notes = dict(sched.stream), sched.main, list(sched.notes)
-    base, writes = buffer_analysis(nodes)
-    for n in writes:
-        if n in stream and stream[n] != main and not is_rng(n):
-            # in-place writes beside random draws on one thread, in eager order: a write
-            # never races a read of another stream's compiled segment
-            notes.append(f"in-place op {node_key(tag, n.name)} moved from stream "
-                         f"{stream[n]} to stream {main}")  # fmt: skip
-            stream[n] = main
-    deps = _dependencies(nodes, sched.compute, plan, tag)
+    prep = _prepare(gm, plan, tag)
+    return _cut(prep, prep.stream)
 
-    walk = _walk_order(sched.compute, stream, deps, base, writes)
+
+def _cut(prep: _Prepared, placement: dict) -> Cut:
+    stream = {n: prep.main if n in prep.pinned else placement[n] for n in prep.compute}
+    deps = {n: set(d) for n, d in prep.deps.items()}  # _walk_order adds to them
+    groups = _walk_order(prep.compute, stream, deps, prep.base, prep.writes)
     segs: list[Segment] = []
     open_seg: dict[int, Segment | None] = {}
     last: dict[int, Segment] = {}
     seg_of: dict[fx.Node, Segment] = {}
-    for n in walk:
-        s = stream[n]
-        need = {seg_of[p] for p in deps[n] if p in seg_of and seg_of[p].stream != s}
+    for group in groups:
+        s = stream[group[0]]
+        need = {seg_of[p] for n in group for p in deps[n]
+                if p in seg_of and seg_of[p].stream != s}  # fmt: skip
         cur = open_seg.get(s)
         if cur is None or any(P.index not in cur.after for P in need):
             prev = last.get(s)
@@ -249,25 +277,103 @@ def cut_segments(gm: fx.GraphModule, plan: Plan, tag: str) -> Cut:
                     open_seg[P.stream] = None
             open_seg[s] = last[s] = cur
             segs.append(cur)
-        cur.nodes.append(n)
-        seg_of[n] = cur
+        cur.nodes += group
+        seg_of.update(dict.fromkeys(group, cur))
 
-    gpos = {n: i for i, n in enumerate(nodes)}
+    gpos = {n: i for i, n in enumerate(prep.nodes)}
     for seg in segs:
         inside = set(seg.nodes)
         ins = {p for n in seg.nodes for p in n.all_input_nodes if p not in inside}
         seg.inputs = sorted(ins, key=gpos.__getitem__)
         seg.outputs = [n for n in seg.nodes if any(u not in inside for u in n.users)]
         seg.outputs.sort(key=gpos.__getitem__)
+    used = {seg.stream for seg in segs}
+    ids = [prep.main] + [s for s in prep.ids if s != prep.main and s in used]
+    return Cut(segs, stream, prep.main, ids, list(prep.notes))
+
+
+def _check_boundaries(cut: Cut) -> None:
+    for seg in cut.segments:
         for o in seg.outputs:
             if not isinstance(o.meta.get("val"), torch.Tensor):
                 raise PlanError(
                     f"{describe_node(o)} (not a tensor) would cross a segment boundary; "
                     "the segment executor passes tensors only. Use the python executor."
                 )
-    used = {seg.stream for seg in segs}
-    ids = [main] + [s.id for s in plan.streams if s.id != main and s.id in used]
-    return Cut(segs, stream, main, ids, notes)
+
+
+#: The segment executor's own costs, for :func:`refine_for_segments` (2-core box, torch
+#: 2.13; see benchmarks/bench_segments.py): one compiled segment call from Python (tensor
+#: handles in and out), and one cross-stream wait (an Event handoff to a sleeping thread).
+SEGMENT_CALL_S = 15e-6
+SEGMENT_WAIT_S = 40e-6
+
+
+def segment_makespan(cut: Cut, cost: dict, call_s=SEGMENT_CALL_S, wait_s=SEGMENT_WAIT_S):
+    """Predicted time of ``cut``'s program: each stream runs its segments in order, a
+    segment starts when its stream is free and the segments it waits for are done (plus
+    ``wait_s``), and takes ``call_s`` plus its nodes' ``cost`` (seconds; missing: 0)."""
+    end: dict[int, float] = {}
+    free: dict[int, float] = {}
+    for seg in cut.segments:  # creation order: waited-for segments come first
+        start = free.get(seg.stream, 0.0)
+        for P in seg.waits:
+            start = max(start, end[P.index] + wait_s)
+        end[seg.index] = start + call_s + sum(cost.get(n, 0.0) for n in seg.nodes)
+        free[seg.stream] = end[seg.index]
+    return max(end.values(), default=0.0)
+
+
+def refine_for_segments(gm: fx.GraphModule, plan: Plan, tag: str, *, max_trials: int = 400):
+    """``plan`` with whole segments moved between streams while that shortens
+    :func:`segment_makespan` (first-improvement hill climbing; the plan's order is kept).
+
+    A per-op plan (HEFT) prices a cross-stream edge at one Event handoff and often
+    alternates the ops of parallel branches between streams; for compiled segments every
+    alternation is a boundary: a call, a wait, and fusion lost. Node costs come from the
+    plan's simulated timeline. Returns ``(plan, note)``.
+
+    Example::
+
+        >>> plan2, note = refine_for_segments(gm, plan, "g0.fw")   # doctest: +SKIP
+        >>> note                                                   # doctest: +SKIP
+        'segments: 11 -> 3, predicted 1.71 -> 1.32 ms'
+    """
+    prep = _prepare(gm, plan, tag)
+    key = {n: node_key(tag, n.name) for n in prep.compute}
+    times = {k: c for k, _, _, c in plan.timeline}
+    cost = {n: times.get(key[n], 0.0) for n in prep.compute}
+    place = dict(prep.stream)
+    cut = _cut(prep, place)
+    best = first = segment_makespan(cut, cost)
+    n_first, trials, improved = len(cut.segments), 0, True
+    while improved and trials < max_trials:
+        improved = False
+        # cheap segments first: they are the alternations worth removing
+        for seg in sorted(cut.segments, key=lambda g: sum(cost[n] for n in g.nodes)):
+            for other in (s for s in prep.ids if s != seg.stream):
+                trial = dict(place)
+                trial.update(dict.fromkeys(seg.nodes, other))
+                trial_cut = _cut(prep, trial)
+                t = segment_makespan(trial_cut, cost)
+                trials += 1
+                if t < best * (1 - 1e-6):
+                    place, cut, best, improved = trial, trial_cut, t, True
+                    break
+            if improved or trials >= max_trials:
+                break
+    placement = dict(plan.placement)
+    placement.update({key[n]: s for n, s in cut.stream.items()})
+    syncs = tuple(
+        Sync(key[p], key[n], cut.stream[p], cut.stream[n])
+        for n in prep.compute for p in n.all_input_nodes
+        if p in cut.stream and cut.stream[p] != cut.stream[n]
+    )  # fmt: skip
+    note = (f"segments: {n_first} -> {len(cut.segments)}, predicted "
+            f"{first * 1e3:.2f} -> {best * 1e3:.2f} ms")  # fmt: skip
+    refined = plan.replace(placements=tuple(sorted(placement.items())), syncs=syncs,
+                           notes=plan.notes + (note,))  # fmt: skip
+    return refined, note
 
 
 def segment_module(gm: fx.GraphModule, seg: Segment) -> fx.GraphModule:
@@ -327,6 +433,7 @@ def compile_segments(
 
     t0 = time.perf_counter()
     cut = cut_segments(gm, plan, tag)
+    _check_boundaries(cut)
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_args):
