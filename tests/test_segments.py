@@ -20,7 +20,12 @@ from test_codegen import TAG, make_plan, random_dag, random_topo_order
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
-from autopar.codegen.segments import compile_segments, cut_segments
+from autopar.codegen.segments import (
+    compile_segments,
+    cut_segments,
+    refine_for_segments,
+    segment_makespan,
+)
 from autopar.errors import PlanError
 from autopar.planning.costmodel import MachineModel
 from autopar.planning.partition import make_plan as plan_table
@@ -192,3 +197,34 @@ def test_random_plans_cut_into_an_acyclic_segment_graph(seed):
     _check_cut(cut, gm)
     for s in cut.segments:  # a segment holds one stream's nodes in plan order
         assert all(cut.stream[n] == s.stream for n in s.nodes)
+
+
+def test_refine_removes_alternations():
+    """A plan alternating every op between streams: whole segments move until the
+    predicted time (segment calls and waits, plus node costs) stops improving."""
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    gm = make_fx(branches)(x, w)
+    plan = make_plan(gm, lambda i, n: i, 2)
+    before = cut_segments(gm, plan, TAG)
+    refined, note = refine_for_segments(gm, plan, TAG)
+    after = cut_segments(gm, refined, TAG)
+    _check_cut(after, gm)
+    assert len(after.segments) < len(before.segments), note
+    assert segment_makespan(after, {}) < segment_makespan(before, {})
+    assert note in refined.notes and refined.order == plan.order
+    prog = compile_segments(gm, refined, [x, w], tag=TAG)
+    for a, b in zip(prog.fn(x, w), gm(x, w), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_errors_name_the_segment_and_nothing_hangs():
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    gm = make_fx(branches)(x, w)
+    names = {"mm_1", "t", "relu"}  # the second branch on the worker
+    prog = compile_segments(gm, make_plan(gm, lambda i, n: n.name in names, 2), [x, w], tag=TAG)
+    assert prog.streams_used == (0, 1)
+    with pytest.raises(Exception) as info:  # noqa: PT011 - Inductor's size check
+        prog.fn(torch.randn(8, 16), torch.randn(3, 3))
+    assert "segment" in "".join(getattr(info.value, "__notes__", []))
+    for a, b in zip(prog.fn(x, w), gm(x, w), strict=True):  # and the program still works
+        torch.testing.assert_close(a, b)

@@ -489,6 +489,7 @@ def _emit(gm, plan, tag, cut: Cut, threads, provenance, timeout_s, seconds) -> P
     ref = lambda n: local[n]
     serial = len(cut.stream_ids) == 1
     lines: list[str] = []
+    owners: list = []  # the segment each line calls (tracebacks name it)
     for sid in cut.stream_ids:
         stmts = [] if serial else [Stmt("v, ev, w, a = st.v, st.ev, st.wait, st.args")]
         have: set[fx.Node] = set()
@@ -504,7 +505,8 @@ def _emit(gm, plan, tag, cut: Cut, threads, provenance, timeout_s, seconds) -> P
                 stmts.append(Stmt(f"{local[p]} = v[{k}];  v[{k}] = None", (), local[p]))
 
         for seg in (s for s in cut.segments if s.stream == sid):
-            ops = ", ".join(dict.fromkeys(_op_name(n) for n in seg.nodes))
+            ops = list(dict.fromkeys(_op_name(n) for n in seg.nodes))
+            ops = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
             stmts.append(Stmt(f"# segment {seg.index}: {len(seg.nodes)} node(s) ({ops})"))
             for P in seg.waits:
                 stmts.append(Stmt(f"w({ev_of[P]})  # segment {P.index} (stream {P.stream})"))
@@ -514,7 +516,7 @@ def _emit(gm, plan, tag, cut: Cut, threads, provenance, timeout_s, seconds) -> P
             call = f"_seg{seg.index}({', '.join(local[p] for p in seg.inputs)})"
             text = f"{outs}, = {call}" if seg.outputs else call
             names = [local[p] for p in seg.inputs] + [local[o] for o in seg.outputs]
-            stmts.append(Stmt(text, names))
+            stmts.append(Stmt(text, names, None, seg))
             have.update(seg.outputs)
             for o in seg.outputs:
                 for d in cut.stream_ids:
@@ -530,15 +532,17 @@ def _emit(gm, plan, tag, cut: Cut, threads, provenance, timeout_s, seconds) -> P
                 take(p)
             out = fmt(out_node.args[0], ref, namer)
             stmts.append(Stmt(f"return {out}", [local[p] for p in out_node.all_input_nodes]))
-        body = [f"    {s.text}" for s in with_deletes(stmts, set())]
+        stmts = with_deletes(stmts, set())
+        body = [f"    {s.text}" for s in stmts]
         if serial:
             params = [local[n] for n in inputs if n.op == "placeholder"]
-            lines += [f"def forward({', '.join(params)}):", *prologue(inputs, local)]
-            lines.append(f"    with _rt.intra_op_threads({threads[sid]}):")
-            lines += ["    " + b for b in body]
+            head = [f"def forward({', '.join(params)}):", *prologue(inputs, local)]
+            head.append(f"    with _rt.intra_op_threads({threads[sid]}):")
+            body = ["    " + b for b in body]
         else:
-            lines.append(f"def _stream_{sid}(st):  # stream {sid}: {threads[sid]} intra-op threads")
-            lines += body + [""]
+            head = [f"def _stream_{sid}(st):  # stream {sid}: {threads[sid]} intra-op threads"]
+        lines += head + body + ([] if serial else [""])
+        owners += [None] * len(head) + [s.node for s in stmts] + ([] if serial else [None])
     if not serial:
         workers = "".join(f"(_stream_{s}, {threads[s]}), " for s in cut.stream_ids[1:])
         params = [local[n] for n in inputs if n.op == "placeholder"]
@@ -546,7 +550,8 @@ def _emit(gm, plan, tag, cut: Cut, threads, provenance, timeout_s, seconds) -> P
         lines += [
             f"_SPEC = _rt.StreamSpec(main=_stream_{cut.main}, workers=({workers}), "
             f"main_threads={threads[cut.main]},",
-            f"                       filename=_FILENAME, stream_ids={tuple(cut.stream_ids)})",
+            f"                       node_at_line=_NODE_AT_LINE, filename=_FILENAME, "
+            f"stream_ids={tuple(cut.stream_ids)})",
             "",
             "",
             f"def forward({', '.join(params)}):",
@@ -558,11 +563,16 @@ def _emit(gm, plan, tag, cut: Cut, threads, provenance, timeout_s, seconds) -> P
     notes = cut.notes + [f"{len(cut.segments)} segments compiled in {seconds:.1f} s"]
     filename = f"<autopar segments {tag} {plan.plan_hash} #{next(program_counter)}>"
     head = provenance_header(plan, tag, provenance, notes, mode) + PROGRAM_IMPORTS
+    first = head.count("\n") + 1  # the line number of lines[0]
+    node_at_line = {
+        first + i: f"{tag}/segment{g.index} ({g.nodes[0].name} .. {g.nodes[-1].name})"
+        for i, g in enumerate(owners) if g is not None
+    }  # fmt: skip
     source = head + "\n".join(lines) + "\n"
-    namer.globals["_FILENAME"] = filename
+    namer.globals.update(_FILENAME=filename, _NODE_AT_LINE=node_at_line)
     load_source(source, filename, namer.globals)
     return Program(source, namer.globals["forward"], plan, tag, filename, tuple(notes),
-                   tuple(cut.stream_ids))  # fmt: skip
+                   tuple(cut.stream_ids), node_at_line)  # fmt: skip
 
 
 def _op_name(n: fx.Node) -> str:

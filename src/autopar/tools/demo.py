@@ -368,6 +368,8 @@ def main(args) -> int:
 
     print(f'\nthe trained model writes (after "def "): {sample(eager, "def ", 80)!r}')
     files = _write_outputs(cmodel, args.out, eager_l, ap_l)
+    print("\nwhat the compiler decided (autopar.explain(cmodel).summary()):")
+    print(autopar.api.explain(cmodel).summary().rstrip())
     print(f"\nfiles written to {args.out}:")
     width = max(map(len, files))
     for what, path in files.items():
