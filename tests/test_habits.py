@@ -120,3 +120,24 @@ def test_profile_and_plan_leave_buffers_rng_and_grads_alone():
         assert torch.equal(v, before[k]), k  # running stats and num_batches_tracked
     for p, g in zip(m.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
+
+
+def test_inference_mode_plans_without_a_warning():
+    import warnings
+
+    m = _mlp()
+    cm = _compile(m)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the graph is planned
+        with torch.inference_mode():
+            out = cm(x)
+    torch.testing.assert_close(out, m(x))
+    assert all(u.fallback is None for u in autopar.graphs(cm))
+
+
+def test_copy_of_an_in_memory_model_profiles_in_memory():
+    cm = _compile(_mlp())
+    copied = copy.deepcopy(cm)
+    store = copied._autopar_options.store
+    assert isinstance(store, ProfileStore) and store.path is None

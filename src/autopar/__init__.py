@@ -8,7 +8,7 @@ Example::
 A package per stage, imports flowing one way (docs/architecture.md)::
 
     capture -> profiling -> planning -> codegen -> runtime -> rnn -> adapt
-            -> pipeline, api (compose) -> parallel -> tools
+            -> pipeline, inspection, api (compose) -> parallel -> tools
 
 ``api`` only composes; ``errors`` is shared by all.
 """

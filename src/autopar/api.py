@@ -105,10 +105,11 @@ class CompiledModule(nn.Module):
         """``copy.deepcopy``, ``pickle`` and ``torch.save`` work as on a ``torch.compile``d
         module: the copy is the user's module (copied) compiled afresh with the same
         options; compiled state (graphs, plans, threads, locks) is rebuilt lazily."""
-        opts = self._autopar_options
+        opts, memory = self._autopar_options, False
         if not isinstance(opts.store, (str, os.PathLike, type(None))):
-            opts = dataclasses.replace(opts, store=getattr(opts.store, "path", None))
-        return (_recompile, (self._orig_mod, opts))
+            path = getattr(opts.store, "path", None)  # None: an in-memory store
+            opts, memory = dataclasses.replace(opts, store=path), path is None
+        return (_recompile, (self._orig_mod, opts, memory))
 
     # -- the call ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -116,7 +117,11 @@ class CompiledModule(nn.Module):
         return self._autopar_pipeline.call(self._orig_mod, self._autopar_compiled, args, kwargs)
 
 
-def _recompile(model: nn.Module, options: CompileOptions) -> CompiledModule:
+def _recompile(model: nn.Module, options: CompileOptions, memory_store: bool = False):
+    if memory_store:  # the copy of a module profiled in memory profiles in memory too
+        from autopar.profiling.store import ProfileStore
+
+        options = dataclasses.replace(options, store=ProfileStore.memory())
     return CompiledModule(model, options)
 
 

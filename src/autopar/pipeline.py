@@ -31,8 +31,6 @@ from autopar.errors import warn_fallback
 from autopar.runtime.race import StepRace
 from autopar.runtime.tiers import Tiers
 
-#: Interleaved timed runs per candidate program at the first call (best of them counts).
-MEASURE_ROUNDS = 3
 #: A multi-stream program must take at most this fraction of the serial program's time.
 MEASURE_MARGIN = 0.95
 
@@ -263,7 +261,9 @@ def _inductor(options) -> bool:
     on; the test suite turns it off so that only the tests of Inductor pay its compiles)."""
     flag = getattr(options, "inductor", None)
     if flag is None:
-        flag = os.environ.get("AUTOPAR_INDUCTOR", "1") not in ("0", "false", "off", "")
+        flag = os.environ.get("AUTOPAR_INDUCTOR", "1").strip().lower() not in (
+            "0", "false", "off", "no", ""
+        )
     return bool(flag)
 
 

@@ -1,7 +1,8 @@
 """Adaptive execution: monitor step times, detect drift, re-plan, cache plans per shape.
 
 Every call of a compiled graph after its first is timed (``perf_counter`` around the
-runner) and compared with the plan's prediction. Every ``sample_every``-th call of a
+runner; on CUDA synchronised before and after, see ``_GraphState.cuda_sync``) and
+compared with the plan's prediction. Every ``sample_every``-th call of a
 multi-stream CPU program also times each stream function (``_stream_<k>`` of the generated
 program, wrapped for that one call), so ``stats(cmodel, per="graph")`` shows per-stream
 segments. Overhead: two ``perf_counter`` calls and one tuple append per graph call.
@@ -108,6 +109,15 @@ class _GraphState:
         self.fake: dict[str, float] = {}  # plan hash -> injected seconds (before baseline)
         self.gave_up = False
         self.hashed: tuple = (None, "")  # (plan, plan.plan_hash): hashing a plan is slow
+        self._sync = None  # see cuda_sync
+
+    def cuda_sync(self, record):
+        """What brackets a timed call: synchronise the CUDA devices of the graph's tensors
+        (found once per graph), else nothing. A CUDA call returns once its kernels are
+        *enqueued*; without this the monitor would time the launches, not the work."""
+        if self._sync is None:
+            self._sync = _cuda_sync_of(getattr(record, "gm", None))
+        return self._sync
 
     def plan_hash(self, plan) -> str:
         if self.hashed[0] is not plan:
@@ -119,6 +129,35 @@ class _GraphState:
         self.drifting = 0  # consecutive drifting windows: + slower, - faster than baseline
         self.since_plan = 0
         self.threads = torch.get_num_threads()
+
+
+def _no_sync() -> None:
+    return None
+
+
+def cuda_devices(gm) -> list[torch.device]:
+    """The CUDA devices the values of graph ``gm`` live on (its traced ``meta["val"]``)."""
+    found: dict[torch.device, None] = {}
+    for n in gm.graph.nodes:
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else (vals,):
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                found[torch.device("cuda", v.device.index or 0)] = None
+    return list(found)
+
+
+def _cuda_sync_of(gm):
+    """A no-argument function synchronising ``gm``'s CUDA devices (a no-op for CPU graphs,
+    so the CPU path keeps its two ``perf_counter`` calls)."""
+    devices = cuda_devices(gm) if gm is not None else []
+    if not devices:
+        return _no_sync
+
+    def sync() -> None:
+        for d in devices:
+            torch.cuda.synchronize(d)
+
+    return sync
 
 
 class Monitor:
@@ -160,6 +199,8 @@ class Monitor:
             table, plan, program, event = st.pending
             st.pending = None
             if record.runner is None:  # evicted meanwhile: the next call prepares afresh
+                return
+            if record.executor != "plan":  # a faster tier landed meanwhile: it stays
                 return
             old = record.plan
             record.advance("replan", note=event, table=table, plan=plan, program=program)
@@ -219,8 +260,11 @@ class Monitor:
             with record.lock:
                 segs, out, dt = self._timed_call(record, st, args)
         else:
+            sync = st.cuda_sync(record)
+            sync()
             t0 = time.perf_counter()
             out = runner(args)
+            sync()
             dt = time.perf_counter() - t0
         self._observe(record, st, dt, segs)
         return out
@@ -230,9 +274,12 @@ class Monitor:
         a serial (or CUDA, or Inductor) program is one stream: the call's time."""
         from autopar.runtime.streams import stream_timings
 
+        sync = st.cuda_sync(record)
         with stream_timings() as segs:
+            sync()
             t0 = time.perf_counter()
             out = record.runner(args)
+            sync()
             dt = time.perf_counter() - t0
         return (dict(segs) if segs else {0: dt}), out, dt
 

@@ -53,6 +53,10 @@ from autopar.profiling.timing import measure_op
 HEAL_RATIO = DISAGREE_RATIO
 #: A node's stored and measured times must differ by more than this to count (timer jitter).
 NOISE_FLOOR_S = 5e-6
+#: The graph's predicted and measured serial times must differ by more than this, too:
+#: healing is for entries that would mislead a plan (a 1x1 conv stored at 24 ms), not for a
+#: tiny graph whose view ops took 20 us instead of 1 us (that warned on every fresh store).
+GAP_FLOOR_S = 1e-4
 MAX_ROUNDS = 3
 MAX_OPS_PER_ROUND = 16
 
@@ -200,7 +204,7 @@ def heal(
     if total is None or total <= 0:
         return table, None
     predicted = float(comp.time_s.sum()) if predicted_s is None else float(predicted_s)
-    if not disagree(predicted, total, ratio):
+    if not disagree(predicted, total, ratio) or abs(predicted - total) <= GAP_FLOOR_S:
         return table, None
     over = predicted > total
     first_prediction = predicted

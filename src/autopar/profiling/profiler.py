@@ -97,6 +97,15 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for tensors without a version counter (made under
+    ``torch.inference_mode()``): then a write is assumed, which only affects byte counts."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -270,7 +279,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             with self._set_current_node(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 in_tensors = _tensors((args, kwargs))
-                versions = [t._version for t in in_tensors]
+                versions = [_version_of(t) for t in in_tensors]
                 t0 = time.perf_counter()
                 result = getattr(self, n.op)(n.target, args, kwargs)  # the one real execution
                 real_s = time.perf_counter() - t0
@@ -354,7 +363,8 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         """
         in_ptrs = {_storage_ptr(t) for t in in_tensors} - {0}
         mutated = {
-            _storage_ptr(t) for t, v in zip(in_tensors, versions, strict=True) if t._version != v
+            _storage_ptr(t) for t, v in zip(in_tensors, versions, strict=True)
+            if v is None or _version_of(t) != v
         }
         written, alias = 0, False
         for t in out_tensors:

@@ -1,6 +1,6 @@
 """Fuse unrolled ``nn.LSTMCell`` / ``nn.GRUCell`` time loops into one layer op per cell.
 
-Under :func:`autopar.rnn.cells.rewrite_rnns` every ``nn.LSTMCell`` call traces in Dynamo as::
+Under :func:`autopar.rnn.rewrite.rewrite_rnns` every ``nn.LSTMCell`` call traces in Dynamo as::
 
     igates = F.linear(x_t, W_ih, b_ih)
     hgates = F.linear(h_{t-1}, W_hh, b_hh)

@@ -71,7 +71,7 @@ def rewrite_rnns(model: nn.Module, *, rnn_form: str | None = None) -> Iterator[l
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(
-            f"autopar.rnn.cells.rewrite_rnns expects an nn.Module, got {type(model).__name__}."
+            f"autopar.rnn.rewrite.rewrite_rnns expects an nn.Module, got {type(model).__name__}."
         )
     form = rnn_form if rnn_form is not None else os.environ.get("AUTOPAR_RNN_FORM") or None
     if form is not None:
