@@ -5,7 +5,8 @@ For each zoo model on ``cuda:0``: autopar (1 and 2 CUDA streams) must train like
 tests/oracle.py), then the training step of eager, ``torch.compile`` (Inductor) and autopar
 is timed interleaved (CUDA-synchronised medians) and the ratios are printed, with
 autopar's predicted against measured time. Last, LSTMs against cuDNN's ``nn.LSTM`` at batch
-1, 16 and 64.
+1, 16 and 64 (autopar's default on CUDA is cuDNN; its forced unrolled form is shown too).
+``benchmarks/gpu_validate.py`` is the budgeted PASS/FAIL validation of the same path.
 
     python benchmarks/gpu_check.py [--steps 20] [--no-inductor] [--models a,b]
 
@@ -128,21 +129,28 @@ def main(argv=None) -> int:
             f"{name:12s} {med['eager'] * 1e3:9.3f} {comp} {med['autopar'] * 1e3:9.3f} "
             f"{med['eager'] / med['autopar']:8.2f}x {predicted(cands['autopar']) * 1e3:.3f}"
         )
+    # autopar leaves nn.LSTM on CUDA to cuDNN (autopar.rnn.layers); "unrolled" is its
+    # per-step Triton-cell form, forced, to show what that default saves.
+    from gpu_validate import ForcedForm
+
     print("\n== LSTM (4 layers, hidden 256, 32 steps) vs cuDNN nn.LSTM")
     for batch in (1, 16, 64):
         model = zoo.RNNModel("lstm", 64, 256, 4).cuda()
         x = torch.randn(batch, 32, 64, device="cuda")
+        unrolled = autopar.compile(copy.deepcopy(model), store=ProfileStore.memory())
         med = time_steps(
             {
                 "cudnn": copy.deepcopy(model),
                 "autopar": autopar.compile(copy.deepcopy(model), store=ProfileStore.memory()),
+                "unrolled": ForcedForm(unrolled, "unrolled"),
             },
             [x],
             args.steps,
         )
         print(
             f"batch {batch:3d}: cuDNN {med['cudnn'] * 1e3:.3f} ms, autopar "
-            f"{med['autopar'] * 1e3:.3f} ms ({med['cudnn'] / med['autopar']:.2f}x)"
+            f"{med['autopar'] * 1e3:.3f} ms ({med['cudnn'] / med['autopar']:.2f}x), unrolled "
+            f"{med['unrolled'] * 1e3:.3f} ms ({med['cudnn'] / med['unrolled']:.2f}x)"
         )
     print(f"\n{failures} equivalence failure(s)")
     return 1 if failures else 0

@@ -238,7 +238,11 @@ def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
 
 # -- CUDA (structural: no GPU here) ----------------------------------------------------------
 def test_cuda_source_structure():
-    gm = make_fx(branches)(*ARGS)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # traced values on cuda:0 (no GPU needed): record_stream is emitted
+        fake = [torch.empty(a.shape, device="cuda") for a in ARGS]
+    gm = make_fx(branches, tracing_mode="fake")(*fake)
     on_one = {"t", "mm_1", "relu"}  # branch b on stream 1
     plan = make_plan(gm, lambda i, n: 1 if n.name in on_one else 0, 2, device="cuda:0", threads=0)
     prog = generate(gm, plan, TAG)
@@ -251,13 +255,13 @@ def test_cuda_source_structure():
 
     assert "threading" not in src and "run_streams" not in src
     assert at("s_1.wait_stream(s_0)") < at("torch.cuda.set_stream(s_1)")
-    assert "x_1.record_stream(s_1)" in src and "w_1.record_stream(s_1)" in src
+    # w_1 reaches stream 1 through the view t (no kernel): recorded where mm_1 uses it
+    assert "x_1.record_stream(s_1)" in src and "t.record_stream(s_1)" in src
     rec = at("relu = aten.relu.default")
     assert "e_0 = torch.cuda.Event();  e_0.record(s_1)" in lines[rec]
     wait = at("s_0.wait_event(e_0)")
     assert rec < wait < at("relu.record_stream(s_0)") < at("cat = aten.cat.default")
     assert at("s_0.wait_stream(s_1)") > at("cat = aten.cat.default")
     assert src.count("wait_event") == 1  # minimum synchronisation: one cross edge
-    graph_src = generate(gm, plan, TAG, cuda_graph=True).source
-    compile(graph_src, "cuda_graph_prog", "exec")
-    assert "with torch.cuda.graph(graph):" in graph_src and "def _run(" in graph_src
+    with pytest.raises(ValueError, match="reduce-overhead"):  # no unsound CUDA graph capture
+        generate(gm, plan, TAG, cuda_graph=True)

@@ -63,8 +63,8 @@ def generate(
     """Generate the program that runs graph ``gm`` (tagged ``tag``) as ``plan`` says.
 
     ``provenance`` adds lines to the header (e.g. ``{"store": "profiles/x.json"}``).
-    ``cuda_graph`` wraps a CUDA program in ``torch.cuda.graph`` (static input shapes; the
-    outputs are the graph's static buffers, overwritten by the next call). ``timeout_s``
+    ``cuda_graph=True`` raises (use ``torch.compile(mode="reduce-overhead")``'s CUDA graph
+    trees; autopar's own capture path was unsound and is removed). ``timeout_s``
     bounds one cross-stream wait (default ``autopar.runtime.streams.DEFAULT_TIMEOUT_S``).
     ``executor`` (default ``$AUTOPAR_EXECUTOR`` or ``"python"``): a key of
     :data:`EXECUTORS`.

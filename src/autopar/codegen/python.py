@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.capture.backend import node_key
-from autopar.codegen.cuda import emit_cuda
+from autopar.codegen.cuda import CUDA_GRAPH_UNSUPPORTED, emit_cuda
 from autopar.codegen.emit import (
     COMPUTE_OPS,
     PROGRAM_IMPORTS,
@@ -78,7 +78,9 @@ def generate_python(
 ) -> Program:
     """The Python program for ``plan``: straight-line code for one stream, CPU worker streams
     (``autopar.runtime.streams``) for several, or CUDA streams (``autopar.codegen.cuda``).
-    Arguments as in :func:`autopar.codegen.executors.generate`, which most callers use."""
+    Arguments as in :func:`autopar.codegen.executors.generate`, which most callers use;
+    ``cuda_graph=True`` raises ``ValueError``: CUDA graphs are Inductor's
+    ``mode="reduce-overhead"`` (see ``autopar.codegen.cuda``)."""
     keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in COMPUTE_OPS}
     devices = {plan.stream_of(k).device for k in keys & set(plan.placement)}
     cuda = any(d.startswith("cuda") for d in devices)
@@ -87,8 +89,8 @@ def generate_python(
             f"graph {tag} is placed on several devices {sorted(devices)}: codegen supports "
             "plans whose streams share one device. Re-plan with one device per graph."
         )
-    if cuda_graph and not cuda:
-        raise ValueError("cuda_graph=True needs a plan whose streams are on a CUDA device")
+    if cuda_graph:  # kept in the signature so callers get this answer, not a TypeError
+        raise ValueError(CUDA_GRAPH_UNSUPPORTED)
     sched = schedule(gm, plan, tag, cuda)
     namer = Namer()
     namer.globals["_gm"] = gm
@@ -102,8 +104,8 @@ def generate_python(
         threads = next((s.threads for s in plan.streams if s.id == sid), 0)
         lines, owners = _emit_serial(sched, local, namer, inputs, out_node, threads)
     elif cuda:
-        mode = f"cuda, {len(sched.stream_ids)} streams" + (", cuda graph" if cuda_graph else "")
-        lines, owners = emit_cuda(sched, plan, local, namer, inputs, out_node, cuda_graph, tag)
+        mode = f"cuda, {len(sched.stream_ids)} streams"
+        lines, owners = emit_cuda(sched, plan, local, namer, inputs, out_node, tag)
     else:
         mode = f"cpu, {len(sched.stream_ids)} streams"
         lines, owners = _emit_cpu(sched, plan, local, namer, inputs, out_node, timeout_s)

@@ -79,7 +79,6 @@ RETRY_BUDGET_S = 2.0
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
-# -- small helpers over nested values -----------------------------------------------------------
 def _leaves(value: Any) -> list[Any]:
     """Flatten tuples/lists/dicts (the containers FX passes around) into their leaves."""
     if isinstance(value, (list, tuple)):
@@ -98,8 +97,7 @@ def _nbytes(value: Any) -> int:
 
 
 def _version_of(t: torch.Tensor) -> int | None:
-    """``t._version``, or None for tensors without a version counter (made under
-    ``torch.inference_mode()``): then a write is assumed, which only affects byte counts."""
+    """``t._version``; None under ``inference_mode`` (no counter: a write is assumed)."""
     try:
         return t._version
     except RuntimeError:

@@ -22,7 +22,10 @@ compiler and a compile per dtype/shape class at first use, so it is not the defa
 ``benchmarks/rnn_cells.py``). On CUDA the ops dispatch to the Triton kernels in
 :mod:`autopar.runtime.kernels.triton_cells`. In eager mode (not under Dynamo) the rewritten modules
 call the same bodies through a plain ``autograd.Function``, which costs about half of a
-custom op's dispatch per call.
+custom op's dispatch per call. The Triton kernels launch under ``torch.cuda.device`` of
+their inputs (``triton_cells.launch_guard``), so a cell on cuda:1 runs on cuda:1. Whole
+``nn.LSTM`` / ``nn.GRU`` modules on CUDA are left to cuDNN (``autopar.rnn.layers``); these
+cells serve user cell loops (``nn.LSTMCell`` / ``nn.GRUCell``) and the forced unrolled form.
 
 Saved tensors: the forward ops save only their inputs (``igates``, ``hgates``, ``c``/``h``)
 and the backward ops recompute the activations: that saves no more than the unfused
@@ -46,7 +49,8 @@ __all__ = [
 ]
 
 #: Forms of nn.LSTM / nn.GRU :func:`rewrite_rnns` can run (see :mod:`autopar.rnn.layers`).
-RNN_FORMS = ("unrolled", "fused", "chunked")
+#: ``"cudnn"``: the module's own forward on CUDA (the default there); on CPU it is ``fused``.
+RNN_FORMS = ("unrolled", "fused", "chunked", "cudnn")
 
 #: Module types :func:`rewrite_rnns` rewrites (exact types and their subclasses).
 RNN_MODULE_TYPES = (nn.LSTMCell, nn.GRUCell, nn.LSTM, nn.GRU)

@@ -14,6 +14,8 @@ on). The lower of the two predictions is the form's; another form must beat ``fu
 ``MARGIN`` (25%). Choices are cached in memory per shape key and thread count by the
 caller (not in the profile store: a choice depends on the machine's load).
 
+On CUDA nothing is timed: :func:`cuda_rnn_form` leaves the module to cuDNN.
+
 Example::
 
     spec = RNNSpec(steps=32, batch=16, input=64, hidden=128, layers=4, dirs=1, bias=True,
@@ -40,7 +42,9 @@ from autopar.rnn.cells import fused_lstm_layer
 from autopar.rnn.forms import _run_rnn
 from autopar.rnn.gru import fused_gru_layer
 
-__all__ = ["RNNSpec", "choose_rnn_form", "measure_rnn_forms", "predict_rnn_form"]
+__all__ = [
+    "RNNSpec", "choose_rnn_form", "cuda_rnn_form", "measure_rnn_forms", "predict_rnn_form",
+]  # fmt: skip
 
 CHUNK_CANDIDATES = (2, 4)  # k the chooser tries
 # The simulator's inputs here are the measured piece times; these three constants cover
@@ -197,6 +201,36 @@ def choose_rnn_form(spec: RNNSpec, timings: dict, sync_s=SYNC_S):
         c for c in cands[1:] if pred[c] < pred[("fused", 1)] * (1 - MARGIN) and bounded(c)
     ]
     return min(fast, key=lambda c: (pred[c], cands.index(c)), default=("fused", 1)), pred
+
+
+def cuda_rnn_form(forced: str | None = None, timings: dict | None = None) -> tuple[str, int]:
+    """The form of an nn.LSTM / nn.GRU whose tensors are on CUDA, decided without running
+    anything (nothing is timed at the first call on CUDA).
+
+    ``("cudnn", 1)``: the module's own forward, ONE fused cuDNN call for all layers and
+    directions, forward and backward, where the unrolled form launches a GEMM, a Triton
+    cell kernel and their autograd bookkeeping from Python at every step (~9 launches per
+    step with the backward). That is the default.
+
+    ``forced``: the form name of an override (``rewrite_rnns(rnn_form=...)``):
+    ``"unrolled"`` keeps the per-step Triton cells; ``"fused"``, ``"chunked"`` and
+    ``"cudnn"`` all mean cuDNN on CUDA (cuDNN's layer is the fused layer there, and it has
+    no time-chunk entry point a plan could schedule). ``timings``: measured forward+backward
+    seconds ``{"cudnn": s, "unrolled": s}`` (``benchmarks/gpu_validate.py`` prints them);
+    the unrolled form is chosen only when it beats cuDNN by ``MARGIN``.
+
+    Example::
+
+        >>> cuda_rnn_form()
+        ('cudnn', 1)
+        >>> cuda_rnn_form("unrolled")
+        ('unrolled', 1)
+    """
+    if forced is not None:
+        return ("unrolled", 1) if forced == "unrolled" else ("cudnn", 1)
+    if timings and timings.get("unrolled", math.inf) < timings.get("cudnn", 0.0) * (1 - MARGIN):
+        return "unrolled", 1
+    return "cudnn", 1
 
 
 def _name(choice: tuple[str, int]) -> str:

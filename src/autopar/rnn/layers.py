@@ -28,9 +28,16 @@ thread count and logged on the ``"autopar"`` logger. Dynamo traces the choice as
 Override: ``rewrite_rnns(model, rnn_form="fused")`` or env ``AUTOPAR_RNN_FORM`` (read when
 the context is entered): ``unrolled``, ``fused``, ``chunked`` or ``chunked:<k>``.
 
-Fallbacks: an LSTM with ``proj_size > 0`` or a device/dtype oneDNN cannot run (CUDA,
-float64, ...) is always ``unrolled``; a GRU off the CPU too (CUDA runs the Triton cell
-kernels); PackedSequence is rejected (as before).
+CUDA: the module's own forward (``nn.LSTM.forward`` / ``nn.GRU.forward``: ONE fused cuDNN
+call for all layers and directions, run eagerly: a graph break, see ``_cudnn_lstm``) is the
+default, form ``"cudnn"``, decided without timing anything
+(:func:`autopar.rnn.choice.cuda_rnn_form`); ``rnn_form="unrolled"`` forces the per-step
+Triton cells (a GEMM and a cell kernel launched from Python per step). The cuDNN path also
+takes a PackedSequence, as eager does.
+
+Fallbacks (CPU): an LSTM with ``proj_size > 0`` or a dtype oneDNN cannot run (float64, ...)
+is always ``unrolled``; a ``"cudnn"`` override means ``fused``; PackedSequence is rejected
+(as before).
 
 Dropout (train mode, between layers): ``F.dropout`` on each layer's whole (direction-
 concatenated, time-major, contiguous) output, the same call and order as ATen's RNN loop,
@@ -50,14 +57,22 @@ import logging
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from autopar.rnn.cells import RNN_FORMS, mkldnn_lstm_usable
-from autopar.rnn.choice import RNNSpec, _name, choose_rnn_form, measure_rnn_forms
+from autopar.rnn.choice import (
+    RNNSpec,
+    _name,
+    choose_rnn_form,
+    cuda_rnn_form,
+    measure_rnn_forms,
+)
 from autopar.rnn.forms import _reject_packed, _run_fused, _run_rnn
 from autopar.rnn.gru import gru_layer_usable
 
 __all__ = [
     "clear_choices",
+    "cudnn_form",
     "gru_module_forward",
     "lstm_module_forward",
     "parse_form",
@@ -133,6 +148,30 @@ def _rnn_form(self: nn.RNNBase, x: Tensor, h0: Tensor, c0: Tensor | None) -> tup
     return _chosen_form(key, form_override)
 
 
+def cudnn_form(input) -> bool:
+    """Whether this call runs the module's own forward (cuDNN): its input is on CUDA and no
+    override forces the unrolled form (:func:`autopar.rnn.choice.cuda_rnn_form`)."""
+    x = input.data if isinstance(input, PackedSequence) else input
+    if not (isinstance(x, Tensor) and x.is_cuda):
+        return False
+    forced = parse_form(form_override)[0] if form_override else None
+    return cuda_rnn_form(forced)[0] == "cudnn"
+
+
+# Traced by Dynamo + AOTAutograd, aten.lstm / aten.gru are decomposed into per-step cell
+# ops (torch/_decomp/decompositions.py: lstm_impl, gru_impl), which would lose cuDNN. So the
+# module's own forward runs eagerly: a graph break around one fused cuDNN call (forward and
+# backward), the same kernels and results as eager nn.LSTM / nn.GRU.
+@torch._dynamo.disable
+def _cudnn_lstm(module: nn.LSTM, input, hx):
+    return nn.LSTM.forward(module, input, hx)  # the class's forward, not the instance patch
+
+
+@torch._dynamo.disable
+def _cudnn_gru(module: nn.GRU, input, hx):
+    return nn.GRU.forward(module, input, hx)
+
+
 def _run_form(self: nn.RNNBase, input: Tensor, h0: Tensor, c0: Tensor | None):
     """Run the chosen form on a batched input: (time-major output, h_n, c_n or None)."""
     form, chunks = _rnn_form(self, input, h0, c0)
@@ -143,7 +182,10 @@ def _run_form(self: nn.RNNBase, input: Tensor, h0: Tensor, c0: Tensor | None):
 
 
 def lstm_module_forward(self: nn.LSTM, input, hx=None):
-    """``nn.LSTM.forward`` in the unrolled, fused or chunked form (see the module doc)."""
+    """``nn.LSTM.forward`` in the unrolled, fused or chunked form, or cuDNN's on CUDA
+    (see the module doc)."""
+    if cudnn_form(input):
+        return _cudnn_lstm(self, input, hx)
     _reject_packed("LSTM", input)
     if input.dim() not in (2, 3):
         raise ValueError(f"LSTM: Expected input to be 2D or 3D, got {input.dim()}D instead")
@@ -177,7 +219,10 @@ def lstm_module_forward(self: nn.LSTM, input, hx=None):
 
 
 def gru_module_forward(self: nn.GRU, input, hx=None):
-    """``nn.GRU.forward`` in the unrolled, fused or chunked form (see the module doc)."""
+    """``nn.GRU.forward`` in the unrolled, fused or chunked form, or cuDNN's on CUDA
+    (see the module doc)."""
+    if cudnn_form(input):
+        return _cudnn_gru(self, input, hx)
     _reject_packed("GRU", input)
     if input.dim() not in (2, 3):
         raise ValueError(f"GRU: Expected input to be 2D or 3D, got {input.dim()}D instead")

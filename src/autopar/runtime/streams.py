@@ -411,9 +411,14 @@ def cuda_streams(key: str, devices: Sequence[str]) -> list:
 
 
 def record_streams(value: Any, stream) -> None:
-    """``record_stream`` every tensor in ``value`` (a tensor, or a list/tuple of them)."""
+    """``record_stream`` every CUDA tensor in ``value`` (a tensor, or a list/tuple of them).
+
+    Other tensors (CPU constants, index tensors) are skipped: ``record_stream`` raises on
+    them, and their memory is not the CUDA caching allocator's to hold back.
+    """
     if isinstance(value, torch.Tensor):
-        value.record_stream(stream)
+        if value.is_cuda:
+            value.record_stream(stream)
     elif isinstance(value, (list, tuple)):
         for x in value:
             record_streams(x, stream)

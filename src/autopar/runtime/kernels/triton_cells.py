@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -160,12 +162,28 @@ def _prepare(name: str, n: int, igates: Tensor, hgates: Tensor, state: Tensor, *
             f"{tuple(igates.shape)}, hgates {tuple(hgates.shape)}, state {tuple(state.shape)}, "
             f"others {[tuple(t.shape) for t in more]}."
         )
+    devices = {t.device for t in (igates, hgates, state, *more)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"autopar.runtime.kernels.triton_cells.{name}: tensors are on several devices "
+            f"{sorted(map(str, devices))}; move them to one device."
+        )
     tensors = [t.contiguous() for t in (igates, hgates, state, *more)]
     return tensors, state.numel(), hidden
 
 
 def _grid(total: int):
     return (max(1, triton.cdiv(total, _BLOCK)),)
+
+
+def launch_guard(t: Tensor):
+    """The device context a kernel on ``t`` is launched in: ``torch.cuda.device(t.device)``.
+
+    Triton launches on the *current* CUDA device (and its current stream), not on the
+    device of the pointers it is given: without this an LSTM on cuda:1 would launch on
+    cuda:0 and read memory of another device. CPU tensors (the interpreter) need none.
+    """
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def lstm_cell_forward(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,7 +196,8 @@ def lstm_cell_forward(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor
     (ig, hg, c), total, hidden = _prepare("lstm_cell_forward", 4, igates, hgates, c)
     h_out, c_out = torch.empty_like(c), torch.empty_like(c)
     if total:
-        _lstm_fwd_kernel[_grid(total)](ig, hg, c, h_out, c_out, total, hidden, BLOCK=_BLOCK)
+        with launch_guard(c):
+            _lstm_fwd_kernel[_grid(total)](ig, hg, c, h_out, c_out, total, hidden, BLOCK=_BLOCK)
     return h_out, c_out
 
 
@@ -196,9 +215,10 @@ def lstm_cell_backward(
     )
     grad_gates, grad_c_prev = torch.empty_like(ig), torch.empty_like(c)
     if total:
-        _lstm_bwd_kernel[_grid(total)](
-            gh, gc, ig, hg, c, grad_gates, grad_c_prev, total, hidden, BLOCK=_BLOCK
-        )
+        with launch_guard(c):
+            _lstm_bwd_kernel[_grid(total)](
+                gh, gc, ig, hg, c, grad_gates, grad_c_prev, total, hidden, BLOCK=_BLOCK
+            )
     return grad_gates, grad_c_prev
 
 
@@ -212,7 +232,8 @@ def gru_cell_forward(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
     (ig, hg, h), total, hidden = _prepare("gru_cell_forward", 3, igates, hgates, h)
     h_out = torch.empty_like(h)
     if total:
-        _gru_fwd_kernel[_grid(total)](ig, hg, h, h_out, total, hidden, BLOCK=_BLOCK)
+        with launch_guard(h):
+            _gru_fwd_kernel[_grid(total)](ig, hg, h, h_out, total, hidden, BLOCK=_BLOCK)
     return h_out
 
 
@@ -228,7 +249,8 @@ def gru_cell_backward(
     (ig, hg, h, gy), total, hidden = _prepare("gru_cell_backward", 3, igates, hgates, h, grad_h_new)
     grad_ig, grad_hg, grad_h = torch.empty_like(ig), torch.empty_like(ig), torch.empty_like(h)
     if total:
-        _gru_bwd_kernel[_grid(total)](
-            gy, ig, hg, h, grad_ig, grad_hg, grad_h, total, hidden, BLOCK=_BLOCK
-        )
+        with launch_guard(h):
+            _gru_bwd_kernel[_grid(total)](
+                gy, ig, hg, h, grad_ig, grad_hg, grad_h, total, hidden, BLOCK=_BLOCK
+            )
     return grad_ig, grad_hg, grad_h
