@@ -52,7 +52,10 @@ def test_bench_model_reports_every_column(tmp_path):
     assert set(race) == {"signature", "verdict", "reason"} and race["reason"]
     json.dumps(res)  # what --out writes
 
+    res["machine_before"] = res["machine_after"] = bench.machine_state(torch.get_num_threads())
+    assert set(res["machine_before"]) == {"speedup", "quiet", "load1", "waited_s"}
     table = bench.format_result(res, args)
+    assert "machine before: " in table
     for column in ("step ms", "(IQR %)", "fw+bw ms", "eager/x", "best/x", "1st step s"):
         assert column in table
     assert "autopar tiers: Inductor tier off" in table
@@ -118,3 +121,13 @@ def test_bench_bert_without_inductor(tmp_path):
     res = bench.bench_model(bench_models.BENCH_MODELS["bert"], args, torch.get_num_threads())
     assert all(r["error"] is None for r in res["contenders"].values())
     assert res["autopar"]["graphs"] and "bert" in bench.format_summary([res])
+
+
+def test_noisy_runs_are_recognised():
+    quiet = {"speedup": 1.7, "quiet": True, "load1": 0.3, "waited_s": 0.0}
+    busy = dict(quiet, speedup=0.05, quiet=False)
+    res = {"contenders": {"eager": {"spread_pct": 8.0}}, "machine_before": quiet,
+           "machine_after": quiet}  # fmt: skip
+    assert bench.noisy(res) is None
+    assert "busy after" in bench.noisy(dict(res, machine_after=busy))
+    assert "spread" in bench.noisy({**res, "contenders": {"eager": {"spread_pct": 400.0}}})

@@ -89,3 +89,23 @@ def test_background_tier_swaps_mid_training_and_keeps_equivalence(always_land):
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
     assert "landed" in autopar.explain(cmodel)
+
+
+def test_backward_tier_accepts_a_new_layout_from_the_forward_tier(always_land):
+    """An Inductor forward may save activations in another layout (channels-last convs)
+    than the planned forward did when the backward's tier was compiled: the backward's
+    program copies them into its layout instead of failing, and both tiers land."""
+    model, (x,) = zoo.build("inception")
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, inductor=True, background=True, race=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    for step in range(4):
+        for m in (cmodel, eager):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        if step == 0:
+            assert autopar.wait(cmodel, timeout=300)
+    assert {u.tag: u.executor for u in autopar.graphs(cmodel)} == {
+        "g0.fw": "inductor", "g0.bw": "inductor"}  # fmt: skip
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)

@@ -105,8 +105,23 @@ def compile_inductor(
             dec, fakes, is_backward=tag.endswith(".bw"), cpp_wrapper=cpp_wrapper
         )
 
+    # Inductor's code asserts the strides it was compiled for. A graph's inputs can change
+    # layout when the graph *before* it changes executor (an Inductor forward may save
+    # channels-last activations for the backward): such inputs are copied into the
+    # compiled layout instead of failing (a per-call check of strides, a copy only then).
+    layout = [
+        (i, tuple(a.shape), tuple(a.stride())) for i, a in enumerate(example_args)
+        if isinstance(a, torch.Tensor)
+    ]  # fmt: skip
+
     def fn(*args: Any) -> Any:
-        return compiled(list(args))  # the compiled call clears the list it is given
+        args = list(args)  # the compiled call clears the list it is given
+        for i, shape, stride in layout:
+            a = args[i]
+            if a.stride() != stride and a.numel() > 1:
+                args[i] = torch.empty_strided(shape, stride, dtype=a.dtype,
+                                              device=a.device).copy_(a)  # fmt: skip
+        return compiled(args)
 
     seconds = time.perf_counter() - t0
     name = "inductor" + (" cpp_wrapper" if cpp_wrapper else "")
@@ -131,7 +146,7 @@ def start_warmup(gm: fx.GraphModule, example_args: list, tag: str) -> subprocess
     torch.save({"gm": gm, "meta": meta, "tag": tag}, path)
     env = dict(os.environ)
     return subprocess.Popen(
-        [sys.executable, "-m", "autopar.codegen.inductor", path],
+        [sys.executable, "-m", "autopar.codegen.inductor", path, str(os.getpid())],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
@@ -157,9 +172,27 @@ def stand_ins(meta: list) -> list:
     ]  # fmt: skip
 
 
-def _warmup_main(path: str) -> int:
+def _exit_with_parent(parent: int) -> None:
+    """The warm-up is for its parent's cache: once the parent is gone (even killed, when
+    its atexit handlers never ran), stop at once."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="autopar-parent-watch").start()
+
+
+def _warmup_main(path: str, parent: int | None = None) -> int:
     import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
 
+    if parent is not None:
+        _exit_with_parent(parent)
     os.nice(10)
     try:
         job = torch.load(path, weights_only=False)
@@ -173,4 +206,4 @@ if __name__ == "__main__":
     # Through the package module, not __main__: the pickled TensorMeta names that class.
     from autopar.codegen.inductor import _warmup_main as main
 
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

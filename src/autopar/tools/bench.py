@@ -35,7 +35,9 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -51,8 +53,10 @@ from autopar.tools.bench_models import BENCH_MODELS, BenchModel, default_models,
 from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench's public names
     CSV_COLUMNS,
     _load,
+    describe_state,
     format_result,
     format_summary,
+    machine_state,
     meta,
     tier_on,
     write_csv,
@@ -63,6 +67,8 @@ CONTENDERS = ("eager", "torch.compile", "autopar")
 #: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
 QUICK = {"models": ["deep_mlp"], "steps": 5, "warmup": 1, "settle_steps": 25}
 DEFAULTS = {"steps": 20, "warmup": 3, "settle_steps": 60}
+#: eager's interquartile range above this % of its median: a neighbour disturbed the run.
+NOISY_IQR_PCT = 50
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -131,6 +137,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=900.0,
         help="seconds autopar.wait may block for background compiles (default 900)",
+    )
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each model, wait up to this long until no other process holds a core "
+        "(three 2-thread matmul probes in a row at > 1.2x the 1-thread speed); default 0: "
+        "no wait. Each model's table says how quiet the machine was before and after it",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="run a model again (up to this many times, each with a fresh profile store) when "
+        "its run looks noisy: the machine was busy before or after it, or eager's step times "
+        f"spread more than {NOISY_IQR_PCT}%% (default 0)",
     )
     parser.add_argument(
         "--streams",
@@ -214,8 +237,10 @@ def resolve_args(args) -> argparse.Namespace:
             setattr(args, name, QUICK[name] if quick else default)
     if args.warmup < 0 or args.settle_steps < 0:
         raise SystemExit("autopar bench: --warmup and --settle-steps must be >= 0")
-    for name, default in (("no_tier", False), ("no_background", False), ("no_race", False),
-                          ("warm_cache", False), ("wait_timeout", 900.0), ("no_adapt", False)):
+    optional = {"no_tier": False, "no_background": False, "no_race": False, "no_adapt": False,
+                "warm_cache": False, "wait_timeout": 900.0, "wait_quiet": 0.0,
+                "retries": 0}  # fmt: skip
+    for name, default in optional.items():
         if not hasattr(args, name):
             setattr(args, name, default)  # a Namespace built by hand (tests, scripts)
     return args
@@ -424,6 +449,49 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
     }
 
 
+def noisy(res: dict[str, Any]) -> str | None:
+    """Why the run of one model does not look like a quiet machine's, or None."""
+    for when in ("before", "after"):
+        state = res.get(f"machine_{when}")
+        if state and not state["quiet"]:
+            return f"machine busy {when} it: {describe_state(state)}"
+    spread = res["contenders"].get("eager", {}).get("spread_pct")
+    if spread is not None and spread > NOISY_IQR_PCT:
+        return f"eager's step times spread {spread:.0f}% (IQR / median)"
+    return None
+
+
+def run_model(name: str, args, default_threads: int) -> dict[str, Any]:
+    """``bench_model`` on one model, waiting for a quiet machine first (``--wait-quiet``), and
+    again (``--retries``, with a fresh profile store) while the run looks noisy."""
+    discarded = []
+    for attempt in range(args.retries + 1):
+        before = machine_state(default_threads, args.wait_quiet)
+        if args.wait_quiet > 0 and not before["quiet"]:
+            print(f"\n   NOTE: {name}: still busy after {before['waited_s']:.0f} s: "
+                  f"{describe_state(before)}", flush=True)  # fmt: skip
+        run_args = args
+        if attempt:
+            run_args = argparse.Namespace(**vars(args))
+            run_args.store = tempfile.mkdtemp(prefix="autopar-bench-store-")
+        t0 = time.perf_counter()
+        res = bench_model(BENCH_MODELS[name], run_args, default_threads)
+        res["wall_s"] = time.perf_counter() - t0
+        res["machine_before"] = before
+        res["machine_after"] = machine_state(default_threads)
+        torch._dynamo.reset()  # drop this model's compiled graphs before the next run
+        if attempt:
+            shutil.rmtree(run_args.store, ignore_errors=True)
+        why = noisy(res)
+        res["attempt"], res["noisy"], res["discarded"] = attempt + 1, why, discarded
+        if why is None or attempt == args.retries:
+            return res
+        print(f"\n   {name}: attempt {attempt + 1} was noisy ({why}); running it again with "
+              "a fresh profile store", flush=True)  # fmt: skip
+        discarded.append({"attempt": attempt + 1, "noisy": why, "wall_s": res["wall_s"]})
+    raise AssertionError("unreachable")
+
+
 def main(args) -> int:
     """Run the benchmark described by ``args`` (from ``add_arguments``); 0 on success."""
     args = resolve_args(args)
@@ -455,12 +523,9 @@ def main(args) -> int:
         )
     results = []
     for name in args.models:
-        t0 = time.perf_counter()
-        res = bench_model(BENCH_MODELS[name], args, default_threads)
-        res["wall_s"] = time.perf_counter() - t0
+        res = run_model(name, args, default_threads)
         results.append(res)
         print("\n" + format_result(res, args) + f"\n   ({res['wall_s']:.0f} s)", flush=True)
-        torch._dynamo.reset()  # drop this model's compiled graphs before the next model
     print("\n" + format_summary(results))
     doc = {"meta": meta(args, default_threads), "results": results}
     if args.out:

@@ -53,6 +53,10 @@ def format_result(res: dict[str, Any], args) -> str:
         f"   input {' + '.join('x'.join(map(str, s)) for s in res['input_shapes'])}, "
         f"{res['parameters']:,} parameters, {args.optimizer.upper()}, median of "
         f"{args.steps} interleaved steps after {args.warmup} warm-up",
+        f"   machine before: {describe_state(res.get('machine_before'))}; after: "
+        f"{describe_state(res.get('machine_after'))}"
+        + (f"; attempt {res['attempt']}" if res.get("attempt", 1) > 1 else "")
+        + (f"; NOISY: {res['noisy']}" if res.get("noisy") else ""),
         f"   {'contender':<14} {'step ms':>9} {'(IQR %)':>8} {'fw+bw ms':>9} {'eager/x':>8} "
         f"{'best/x':>7} {'1st step s':>10}",
     ]
@@ -151,14 +155,17 @@ def format_summary(results: list[dict[str, Any]]) -> str:
         err = _fmt(a["prediction_error_pct"], "+.0f", "n/a")
         tc, ap = (val(n, "first_step_s", ".1f") for n in ("torch.compile", "autopar"))
         first = f"{tc} / {ap}"
+        model = res["model"] + ("*" if res.get("noisy") else "")
         lines.append(
-            f"   {res['model']:<12} {val('eager', 'median_step_ms', '.3f'):>9} "
+            f"   {model:<12} {val('eager', 'median_step_ms', '.3f'):>9} "
             f"{sp('torch.compile'):>13} {sp('autopar'):>8} "
             f"{sp('autopar', 'speedup_vs_best'):>12} {first:>18} "
             f"{_fmt(a.get('fastest_tier_s'), '.1f'):>8} "
             f"{err + ('%' if err != 'n/a' else ''):>9}  "
             f"{executors_brief(a.get('graphs', [])):<18} {race_brief(a.get('race', []))}"
         )
+    if any(res.get("noisy") for res in results):
+        lines.append("   * noisy: another process disturbed the run (see the model's table)")
     return "\n".join(lines)
 
 
@@ -218,6 +225,59 @@ def _load() -> float | None:
         return None
 
 
+def contention_probe(threads: int) -> float | None:
+    """How much faster a 256x256 matmul runs on ``threads`` intra-op threads than on one
+    (median of 15): about 1.5-2 on a quiet 2-core machine, below 1 when another process holds
+    a core (the 2-thread OpenMP region then waits for it). None with one thread."""
+    if threads < 2:
+        return None
+    a = torch.randn(256, 256)
+    med = {}
+    try:
+        for th in (1, threads):
+            torch.set_num_threads(th)
+            for _ in range(3):
+                a @ a
+            ts = []
+            for _ in range(15):
+                t = time.perf_counter()
+                a @ a
+                ts.append(time.perf_counter() - t)
+            med[th] = sorted(ts)[len(ts) // 2]
+    finally:
+        torch.set_num_threads(threads)
+    return med[1] / med[threads]
+
+
+#: ``contention_probe`` above this: no other process holds a core.
+QUIET_SPEEDUP = 1.2
+
+
+def machine_state(threads: int, wait_s: float = 0.0) -> dict[str, Any]:
+    """The machine's state now: the contention probe and the load average. With ``wait_s``,
+    poll (every 2 s) until three probes in a row say quiet, or the time is up."""
+    deadline, streak, t0 = time.monotonic() + wait_s, 0, time.monotonic()
+    while True:
+        speedup = contention_probe(threads)
+        quiet = speedup is None or speedup > QUIET_SPEEDUP
+        streak = streak + 1 if quiet else 0
+        if wait_s <= 0 or streak >= 3 or time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
+    return {"speedup": speedup, "quiet": quiet, "load1": _load(),
+            "waited_s": time.monotonic() - t0}  # fmt: skip
+
+
+def describe_state(state: dict[str, Any] | None) -> str:
+    if not state:
+        return "?"
+    word = "quiet" if state["quiet"] else "BUSY"
+    return (
+        f"{word} (2-thread matmul speedup {_fmt(state['speedup'], '.2f')}x, load "
+        f"{_fmt(state['load1'], '.2f')})"
+    )
+
+
 def meta(args, default_threads: int) -> dict[str, Any]:
     """The conditions of the run, stored next to the numbers."""
     return {
@@ -228,6 +288,7 @@ def meta(args, default_threads: int) -> dict[str, Any]:
         "intra_op_threads": default_threads,
         "load_average_1min_at_end": _load(),
         "models": list(args.models),
+        "wait_quiet_s": getattr(args, "wait_quiet", 0.0),
         "optimizer": args.optimizer,
         "steps": args.steps,
         "warmup": args.warmup,
