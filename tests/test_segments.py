@@ -17,9 +17,11 @@ import pytest
 import torch
 from oracle import assert_close_to_oracle, max_err
 from test_codegen import TAG, make_plan, random_dag, random_topo_order
+from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
+from autopar.codegen.inductor import input_meta
 from autopar.codegen.segments import (
     compile_segments,
     cut_segments,
@@ -30,6 +32,11 @@ from autopar.errors import PlanError
 from autopar.planning.costmodel import MachineModel
 from autopar.planning.partition import make_plan as plan_table
 from autopar.profiling.store import ProfileStore
+from autopar.runtime.segment_runner import (
+    compile_segment_tier,
+    segment_plan,
+    start_segment_warmup,
+)
 from autopar.runtime.streams import intra_op_threads
 from autopar.tools import zoo
 
@@ -90,6 +97,9 @@ def test_zoo_forward_and_backward_graphs(name):
         args = [_example(n) for n in r.gm.graph.nodes if n.op == "placeholder"]
         prog = compile_segments(r.gm, plan, args, tag=r.tag)
         _check_cut(cut_segments(r.gm, plan, r.tag), r.gm)
+        tier_plan = segment_plan(r.gm, r.table, r.tag)  # the tier's plan (measured times)
+        if tier_plan is not None:
+            _check_cut(cut_segments(r.gm, tier_plan, r.tag), r.gm)
         assert prog.streams_used == (0, 1), prog.notes
         assert prog.source.count("= _seg") >= 2 and "_rt.run_streams" in prog.source
         args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -227,4 +237,22 @@ def test_errors_name_the_segment_and_nothing_hangs():
         prog.fn(torch.randn(8, 16), torch.randn(3, 3))
     assert "segment" in "".join(getattr(info.value, "__notes__", []))
     for a, b in zip(prog.fn(x, w), gm(x, w), strict=True):  # and the program still works
+        torch.testing.assert_close(a, b)
+
+
+def test_warmup_process_compiles_the_same_segments():
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    gm = make_fx(branches)(x, w)
+    plan = make_plan(gm, lambda i, n: n.name in {"mm_1", "t", "relu"}, 2)
+    proc = start_segment_warmup(gm, input_meta([x, w]), plan, TAG)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    prog = compile_segment_tier(gm, input_meta([x, w]), plan, TAG)
+    assert prog.streams_used == (0, 1)
+    # every segment is a cache hit: the warm-up compiled the very same graphs
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == len(
+        cut_segments(gm, plan, TAG).segments
+    )
+    for a, b in zip(prog.fn(x, w), gm(x, w), strict=True):
         torch.testing.assert_close(a, b)

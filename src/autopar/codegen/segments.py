@@ -30,8 +30,14 @@ outside, in graph order; outputs: what anything outside reads, as a tuple) compi
 :func:`autopar.codegen.inductor.compile_inductor` with the C++ wrapper and ``cpp.threads``
 set to its stream's intra-op thread count (Inductor bakes the OpenMP thread count into its
 kernels; a 2-thread kernel on a 1-thread stream would oversubscribe the core the other
-stream uses). Example inputs: the parent's example args for its placeholders, stand-ins
-with ``node.meta["val"]``'s shape and strides for values made by other segments.
+stream uses). Example inputs: the parent's example args for its placeholders; for values
+made by another segment, stand-ins with the strides that segment's compiled code returns
+(compiled in creation order, producers first; Inductor chooses its outputs' layouts).
+
+Planning for segments (:func:`refine_for_segments`). A per-op plan prices a cross-stream
+edge at one Event handoff and often alternates parallel branches between streams op by
+op; here each alternation is a boundary. The refinement moves whole segments between
+streams while a segment-level simulation (:func:`segment_makespan`) says it pays.
 
 The program (``Program.source``) is readable Python calling ``_seg<k>`` per segment:
 stream 0 (or the first stream) on the calling thread, the others on persistent worker
@@ -55,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.capture.analysis import buffer_analysis, is_rng
+from autopar.capture.analysis import buffer_analysis, is_op, is_rng
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import (
     PROGRAM_IMPORTS,
@@ -109,13 +115,13 @@ def _is_getitem_of(n: fx.Node, stream: dict) -> bool:
     )  # fmt: skip
 
 
-def _dependencies(nodes: list[fx.Node], compute: list[fx.Node], plan: Plan, tag: str) -> dict:
+def _dependencies(nodes, compute, base: dict, writes: dict, plan: Plan, tag: str) -> dict:
     """Each compute node's predecessors: data inputs, the eager order of the readers and
     writers of every written buffer (``schedule`` already checked the plan keeps it) and
     the plan's syncs."""
-    deps: dict[fx.Node, set] = {n: {p for p in n.all_input_nodes if p in compute} for n in compute}
+    placed = set(compute)
+    deps: dict[fx.Node, set] = {n: {p for p in n.all_input_nodes if p in placed} for n in compute}
     gpos = {n: i for i, n in enumerate(nodes)}
-    base, writes = buffer_analysis(nodes)
     readers: dict[fx.Node, list[fx.Node]] = {}
     for n in compute:
         for p in n.all_input_nodes:
@@ -228,7 +234,7 @@ def _prepare(gm: fx.GraphModule, plan: Plan, tag: str) -> _Prepared:
                          f"{stream[n]} to stream {main}")  # fmt: skip
             stream[n] = main
     pinned = {n for n in sched.compute if is_rng(n) or n in writes}
-    deps = _dependencies(nodes, sched.compute, plan, tag)
+    deps = _dependencies(nodes, sched.compute, base, writes, plan, tag)
     ids = [s.id for s in plan.streams]
     return _Prepared(nodes, sched.compute, stream, main, ids, notes, deps, base, writes, pinned)
 
@@ -303,10 +309,11 @@ def _check_boundaries(cut: Cut) -> None:
 
 
 #: The segment executor's own costs, for :func:`refine_for_segments` (2-core box, torch
-#: 2.13; see benchmarks/bench_segments.py): one compiled segment call from Python (tensor
-#: handles in and out), and one cross-stream wait (an Event handoff to a sleeping thread).
-SEGMENT_CALL_S = 15e-6
-SEGMENT_WAIT_S = 40e-6
+#: 2.13, quiet): calling a compiled C++-wrapper graph from Python costs 3.4 us (tensor
+#: handles in and out); an empty two-stream ``run_streams`` with one wait 23 us. A wait
+#: is priced above that: a boundary also ends Inductor's fusion across it.
+SEGMENT_CALL_S = 5e-6
+SEGMENT_WAIT_S = 30e-6
 
 
 def segment_makespan(cut: Cut, cost: dict, call_s=SEGMENT_CALL_S, wait_s=SEGMENT_WAIT_S):
@@ -325,13 +332,15 @@ def segment_makespan(cut: Cut, cost: dict, call_s=SEGMENT_CALL_S, wait_s=SEGMENT
 
 
 def refine_for_segments(gm: fx.GraphModule, plan: Plan, tag: str, *, max_trials: int = 400):
-    """``plan`` with whole segments moved between streams while that shortens
-    :func:`segment_makespan` (first-improvement hill climbing; the plan's order is kept).
+    """``plan`` with whole segments, and single heavy nodes, moved between streams while
+    that shortens :func:`segment_makespan` (first-improvement hill climbing; the plan's
+    order is kept). Returns ``(plan, note)``.
 
-    A per-op plan (HEFT) prices a cross-stream edge at one Event handoff and often
-    alternates the ops of parallel branches between streams; for compiled segments every
-    alternation is a boundary: a call, a wait, and fusion lost. Node costs come from the
-    plan's simulated timeline. Returns ``(plan, note)``.
+    A per-op plan (HEFT) balances eager op costs and prices a cross-stream edge at one
+    Event handoff, so it often alternates parallel branches between streams op by op; for
+    compiled segments each alternation is a boundary (a call, a wait, fusion lost), and
+    the ops Inductor fuses away (pointwise ops, views) cost nothing: balance is decided by
+    the others. Costs: the plan's simulated timeline, 0 for those fused away.
 
     Example::
 
@@ -342,18 +351,23 @@ def refine_for_segments(gm: fx.GraphModule, plan: Plan, tag: str, *, max_trials:
     prep = _prepare(gm, plan, tag)
     key = {n: node_key(tag, n.name) for n in prep.compute}
     times = {k: c for k, _, _, c in plan.timeline}
-    cost = {n: times.get(key[n], 0.0) for n in prep.compute}
+    fused = {n for n in prep.compute if prep.base[n] is not n
+             or (is_op(n) and torch.Tag.pointwise in n.target.tags)}  # fmt: skip
+    cost = {n: 0.0 if n in fused else times.get(key[n], 0.0) for n in prep.compute}
+    heavy = [[n] for n in sorted(prep.compute, key=lambda n: -cost[n])
+             if cost[n] > 0 and n not in prep.pinned]  # fmt: skip
     place = dict(prep.stream)
     cut = _cut(prep, place)
     best = first = segment_makespan(cut, cost)
     n_first, trials, improved = len(cut.segments), 0, True
     while improved and trials < max_trials:
         improved = False
-        # cheap segments first: they are the alternations worth removing
-        for seg in sorted(cut.segments, key=lambda g: sum(cost[n] for n in g.nodes)):
-            for other in (s for s in prep.ids if s != seg.stream):
+        # cheap segments first (the alternations worth removing), then single heavy nodes
+        segs = sorted(cut.segments, key=lambda g: sum(cost[n] for n in g.nodes))
+        for nodes in [g.nodes for g in segs] + heavy:
+            for other in (s for s in prep.ids if s != cut.stream[nodes[0]]):
                 trial = dict(place)
-                trial.update(dict.fromkeys(seg.nodes, other))
+                trial.update(dict.fromkeys(nodes, other))
                 trial_cut = _cut(prep, trial)
                 t = segment_makespan(trial_cut, cost)
                 trials += 1
@@ -431,6 +445,8 @@ def compile_segments(
     seconds per segment); call it on the thread that runs the model."""
     from torch._inductor import config
 
+    if any(s.device != "cpu" for s in plan.streams):  # CUDA streams: codegen.cuda's job
+        raise PlanError(f"the segment executor runs CPU plans only, not {plan.streams}")
     t0 = time.perf_counter()
     cut = cut_segments(gm, plan, tag)
     _check_boundaries(cut)
@@ -441,7 +457,7 @@ def compile_segments(
     parent = dict(zip(placeholders, example_args, strict=True))
     for n in nodes:  # get_attr values are inputs of the program (read at call time)
         if n.op == "get_attr":
-            parent[n] = getattr(gm, n.target)
+            parent[n] = operator.attrgetter(n.target)(gm)
     cap = torch.get_num_threads()  # a program never uses more threads than its caller
     threads = {s.id: min(s.threads, cap) if s.threads > 0 else cap for s in plan.streams}
     made: dict[fx.Node, tuple] = {}  # segment output -> the strides its code returns
