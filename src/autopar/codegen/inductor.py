@@ -172,7 +172,7 @@ def stand_ins(meta: list) -> list:
     ]  # fmt: skip
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """The warm-up is for its parent's cache: once the parent is gone (even killed, when
     its atexit handlers never ran), stop at once."""
     import threading
@@ -192,7 +192,7 @@ def _warmup_main(path: str, parent: int | None = None) -> int:
     import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
 
     if parent is not None:
-        _exit_with_parent(parent)
+        exit_with_parent(parent)
     os.nice(10)
     try:
         job = torch.load(path, weights_only=False)

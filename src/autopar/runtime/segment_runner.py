@@ -25,15 +25,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 import torch
 import torch.fx as fx
 
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import Program
-from autopar.codegen.inductor import stand_ins
+from autopar.codegen.inductor import exit_with_parent, stand_ins
 from autopar.codegen.segments import compile_segments, refine_for_segments
 from autopar.planning.partition import make_plan
 from autopar.planning.plan import Plan, Stream
@@ -78,21 +76,6 @@ def _rekey(plan: Plan, key: dict) -> Plan:
     )  # fmt: skip
 
 
-def _exit_with_parent(parent: int) -> None:
-    """The warm-up fills its parent's cache: once the parent is gone (even killed, its
-    atexit handlers never ran), stop at once (as ``codegen.inductor``'s warm-up does)."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="autopar-parent-watch").start()
-
-
 def _warmup_main(path: str, parent: int | None = None) -> int:
     import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401 - see below
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -101,7 +84,7 @@ def _warmup_main(path: str, parent: int | None = None) -> int:
     import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
 
     if parent is not None:
-        _exit_with_parent(parent)
+        exit_with_parent(parent)
     os.nice(10)
     try:
         job = torch.load(path, weights_only=False)
