@@ -109,6 +109,23 @@ def buffer_analysis(nodes: list[fx.Node]) -> tuple[dict, dict]:
     return base, writes
 
 
+def write_orderings(compute: list[fx.Node], base: dict, writes: dict, gpos: dict):
+    """The pairs that must keep eager order around in-place writes: for every buffer a node
+    writes, each other reader or writer of that buffer among ``compute``. Yields
+    ``(first, second, written, writer)`` with ``first`` before ``second`` in graph order
+    (``gpos``: node -> graph position); ``base``/``writes`` from :func:`buffer_analysis`."""
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for n in compute:
+        for p in n.all_input_nodes:
+            readers.setdefault(base[p], []).append(n)
+    for m, bufs in writes.items():
+        for b in bufs:
+            for r in readers.get(b, []) + [w for w in writes if b in writes[w]]:
+                if r is not m:
+                    first, second = (r, m) if gpos[r] < gpos[m] else (m, r)
+                    yield first, second, b, m
+
+
 def has_side_effects(gm: fx.GraphModule) -> bool:
     """Whether running ``gm`` again would repeat an effect: a write into an argument (an
     input mutation such as a BatchNorm statistic) or a draw from the random generator."""

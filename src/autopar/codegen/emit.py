@@ -34,6 +34,7 @@ from autopar.capture.analysis import (  # noqa: F401 - re-exported for the emitt
     is_op,
     is_rng,
     schema_args,
+    write_orderings,
 )
 from autopar.capture.backend import node_key
 from autopar.errors import PlanError, describe_node
@@ -219,23 +220,14 @@ def schedule(gm: fx.GraphModule, plan: Plan, tag: str, cuda: bool) -> Schedule:
 
     # In-place writes: readers of the written buffer keep their eager order around the write.
     base, writes = buffer_analysis(nodes)
-    readers: dict[fx.Node, list[fx.Node]] = {}
-    for n in compute:
-        for p in n.all_input_nodes:
-            readers.setdefault(base[p], []).append(n)
-    for m, bufs in writes.items():
-        for b in bufs:
-            for r in readers.get(b, []) + [w for w in writes if b in writes[w]]:
-                if r is m:
-                    continue
-                first, second = (r, m) if gpos[r] < gpos[m] else (m, r)
-                if pos[key[first]] > pos[key[second]]:
-                    raise PlanError(
-                        f"plan.order runs {key[second]} before {key[first]}, but one of them "
-                        f"writes in place the buffer of {b.name} the other uses "
-                        f"({describe_node(m)}). Keep them in graph order."
-                    )
-                deps[second].add(first)
+    for first, second, b, m in write_orderings(compute, base, writes, gpos):
+        if pos[key[first]] > pos[key[second]]:
+            raise PlanError(
+                f"plan.order runs {key[second]} before {key[first]}, but one of them "
+                f"writes in place the buffer of {b.name} the other uses "
+                f"({describe_node(m)}). Keep them in graph order."
+            )
+        deps[second].add(first)
 
     for s in plan.syncs:
         src, dst = by_key.get(s.src), by_key.get(s.dst)

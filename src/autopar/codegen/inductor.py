@@ -188,16 +188,22 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="autopar-parent-watch").start()
 
 
-def _warmup_main(path: str, parent: int | None = None) -> int:
+def load_warmup_job(path: str, parent: int | None) -> dict:
+    """A warm-up process's start: register autopar's ops, follow the parent, yield the CPU
+    (low priority), and load (then delete) the job file its parent wrote."""
     import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
 
     if parent is not None:
         exit_with_parent(parent)
     os.nice(10)
     try:
-        job = torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False)
     finally:
         os.unlink(path)
+
+
+def _warmup_main(path: str, parent: int | None = None) -> int:
+    job = load_warmup_job(path, parent)
     compile_inductor(job["gm"], stand_ins(job["meta"]), tag=job["tag"])
     return 0
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.capture.analysis import buffer_analysis, is_op, is_rng
+from autopar.capture.analysis import buffer_analysis, is_op, is_rng, write_orderings
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import (
     PROGRAM_IMPORTS,
@@ -122,16 +122,9 @@ def _dependencies(nodes, compute, base: dict, writes: dict, plan: Plan, tag: str
     placed = set(compute)
     deps: dict[fx.Node, set] = {n: {p for p in n.all_input_nodes if p in placed} for n in compute}
     gpos = {n: i for i, n in enumerate(nodes)}
-    readers: dict[fx.Node, list[fx.Node]] = {}
-    for n in compute:
-        for p in n.all_input_nodes:
-            readers.setdefault(base[p], []).append(n)
-    for m, bufs in writes.items():
-        for b in bufs:
-            for r in readers.get(b, []) + [w for w in writes if b in writes[w]]:
-                if r is not m and r in deps and m in deps:
-                    first, second = (r, m) if gpos[r] < gpos[m] else (m, r)
-                    deps[second].add(first)
+    for first, second, _, _ in write_orderings(compute, base, writes, gpos):
+        if first in deps and second in deps:
+            deps[second].add(first)
     by_key = {node_key(tag, n.name): n for n in compute}
     for s in plan.syncs:
         src, dst = by_key.get(s.src), by_key.get(s.dst)

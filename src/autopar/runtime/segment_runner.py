@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import Program
-from autopar.codegen.inductor import exit_with_parent, stand_ins
+from autopar.codegen.inductor import load_warmup_job, stand_ins
 from autopar.codegen.segments import compile_segments, refine_for_segments
 from autopar.planning.partition import make_plan
 from autopar.planning.plan import Plan, Stream
@@ -81,15 +81,7 @@ def _warmup_main(path: str, parent: int | None = None) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
-
-    if parent is not None:
-        exit_with_parent(parent)
-    os.nice(10)
-    try:
-        job = torch.load(path, weights_only=False)
-    finally:
-        os.unlink(path)
+    job = load_warmup_job(path, parent)
     # Unpickling a make_fx graph re-traces it (with make_fx's tracer, which reads
     # triton_kernel_wrap without importing it, torch 2.13): the same nodes in the same
     # order, renamed, without meta["val"]. The plan follows the nodes by position; fake
