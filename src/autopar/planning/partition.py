@@ -31,7 +31,7 @@ import networkx as nx
 from autopar.errors import PlanError
 from autopar.planning.clocks import VectorClocks
 from autopar.planning.costmodel import MachineModel, stream_layouts, wants_intra_op
-from autopar.planning.listsched import rank_order
+from autopar.planning.listsched import rank_order, with_rng_order
 from autopar.planning.plan import Plan, Stream, Sync
 from autopar.planning.policies import (  # noqa: F401 - re-exported: the policies' old home
     AUTO,
@@ -76,6 +76,15 @@ def minimal_syncs(graph: nx.DiGraph, placement, order, streams, prep=None) -> tu
     for v in order:
         sv = placement[v]
         cross = [(u, b) for u, b in pred[v] if placement[u] != sv]
+        late = [u for u, _ in cross if u not in clocks.index]
+        if late:  # (a policy's bad order: fail as the verifier would, not with a KeyError)
+            u = late[0]
+            if graph.edges[u, v].get("order"):  # listsched.with_rng_order's edge
+                raise PlanError(
+                    f"order runs random op {v} before {u}, which precedes it in the graph; "
+                    "keep random ops in graph order"
+                )
+            raise PlanError(f"order is not topological: {u} runs after its consumer {v}")
         # per source stream, its latest producer first: it implies the earlier ones
         cross.sort(key=lambda e: (placement[e[0]], -clocks.index[e[0]]))
         far = {u for u, _ in cross if device[placement[u]] != device[sv]}  # copies: keep
@@ -161,6 +170,13 @@ def make_plan(
 
         graph = task_graph_from_profile(graph_or_df)
         prov = [("pass:taskgraph", _ms(time.perf_counter() - t0))]
+    # Random ops keep graph order in every candidate: ordering edges between them (see
+    # listsched.with_rng_order), which the policies, syncs, simulator and verifier all see.
+    ordered = with_rng_order(graph)
+    if ordered is not graph:
+        added = ordered.number_of_edges() - graph.number_of_edges()
+        prov.append(("pass:rng-order", f"{added} ordering edge(s) keep random ops in order"))
+        graph = ordered
     machine = machine or default_machine(store, graph_device(graph))
     parts = _split_graphs(graph)
     if parts is None:
@@ -197,7 +213,19 @@ def _plan_graph(graph, streams, policy, machine, budget, graph_id, prov) -> Plan
     prep = Prepared(graph)
     cache: dict = {}  # (device, threads) -> node costs, shared by the layouts
 
-    def build(pol, lname, lstreams, costs, order, serial_time, lb) -> Plan:
+    def build(pol, lname, lstreams, costs, order, serial_time, lb) -> Plan | None:
+        """One candidate; under auto, a policy whose plan fails (the simulator finds a
+        deadlock, the verifier a fault) costs that candidate only, since serial is always
+        one (a forced policy's failure, and serial's, still raise)."""
+        try:
+            return candidate(pol, lname, lstreams, costs, order, serial_time, lb)
+        except PlanError as exc:
+            if policy != AUTO or pol == "serial":
+                raise
+            prov.append((f"pass:{pol}[{lname}]", f"rejected: {exc}"))
+            return None
+
+    def candidate(pol, lname, lstreams, costs, order, serial_time, lb) -> Plan:
         t = time.perf_counter()
         place, order = POLICIES[pol].fn(
             graph, lstreams, machine, costs, order, prep=prep, memory_budget=budget, shared=shared

@@ -5,15 +5,19 @@
 1. streams have unique ids; every node is placed exactly once, on a declared stream;
    with ``graph`` given, the placed nodes are exactly the graph's nodes;
 2. ``order`` lists every placed node exactly once;
-3. every sync joins two different streams and names its nodes' streams correctly;
-4. no deadlock: data edges and syncs go forward in ``order`` (each stream runs its nodes
+3. with ``graph`` given, its random ops (``listsched.rng_nodes``) keep graph order in
+   ``order``: they share the global generator, and another order changes every draw
+   (codegen refuses such a plan, so a planner that made one would leave the graph
+   unplanned);
+4. every sync joins two different streams and names its nodes' streams correctly;
+5. no deadlock: data edges and syncs go forward in ``order`` (each stream runs its nodes
    in ``order``, so the union of stream order, syncs and data edges is then acyclic);
    when one goes backward, the cycle (if any) is reported;
-5. every cross-stream data dependency ``u -> v`` is covered: on one device, by a chain
+6. every cross-stream data dependency ``u -> v`` is covered: on one device, by a chain
    of syncs and stream order (checked with ``clocks.VectorClocks``: ``v``'s stream must
    know that ``u``'s stream got at least as far as ``u``); across devices, by its own sync
    (the sync is also the copy);
-6. the predicted peak memory is within the budget.
+7. the predicted peak memory is within the budget.
 
 Example::
 
@@ -35,6 +39,7 @@ import networkx as nx
 
 from autopar.errors import PlanError
 from autopar.planning.clocks import VectorClocks
+from autopar.planning.listsched import rng_nodes
 from autopar.planning.plan import Plan
 
 
@@ -86,7 +91,10 @@ def verify_plan(plan: Plan, graph: nx.DiGraph | None = None, memory_budget: int 
     unplaced = [n for n in order_counts if n not in place]
     if unplaced:
         _fail(plan, f"orders node(s) {unplaced[:5]} that are not placed", "place them")
-    # 3. syncs
+    # 3. random ops in graph order
+    if graph is not None:
+        _check_rng_order(plan, graph)
+    # 4. syncs
     for s in plan.syncs:
         for n in (s.src, s.dst):
             if n not in place:
@@ -100,7 +108,7 @@ def verify_plan(plan: Plan, graph: nx.DiGraph | None = None, memory_budget: int 
             )
         if s.src_stream == s.dst_stream:
             _fail(plan, f"has a sync {s.src} -> {s.dst} within stream {s.src_stream}", "drop it")
-    # 4. deadlock freedom
+    # 5. deadlock freedom
     edges = _edges(plan, graph)
     pos = {n: i for i, n in enumerate(plan.order)}
     backward = [(u, v) for u, v in edges if pos[u] >= pos[v]]
@@ -121,9 +129,9 @@ def verify_plan(plan: Plan, graph: nx.DiGraph | None = None, memory_budget: int 
             f"deadlocks: cycle {path} (data/sync edges and stream order)",
             "order nodes topologically and sync only forward in that order",
         )
-    # 5. every cross-stream dependency is synchronised
+    # 6. every cross-stream dependency is synchronised
     _check_coverage(plan, edges, place)
-    # 6. memory
+    # 7. memory
     budget = memory_budget if memory_budget is not None else plan.memory_budget
     if budget is not None and plan.predicted_peak_memory > budget:
         _fail(
@@ -131,6 +139,23 @@ def verify_plan(plan: Plan, graph: nx.DiGraph | None = None, memory_budget: int 
             f"needs {plan.predicted_peak_memory} bytes at peak, over the budget of {budget} bytes",
             "raise memory_budget or plan with less concurrency (policy='serial')",
         )
+
+
+def _check_rng_order(plan: Plan, graph: nx.DiGraph) -> None:
+    """Random ops of one graph tag run in graph order (module docstring, item 3)."""
+    pos = {n: i for i, n in enumerate(plan.order)}
+    last: dict[str, str] = {}
+    for n in rng_nodes(graph):
+        tag = str(graph.nodes[n].get("graph", ""))
+        prev = last.get(tag)
+        if prev is not None and pos[prev] > pos[n]:
+            _fail(
+                plan,
+                f"runs random op {n} before {prev}, which precedes it in the graph: they "
+                "share the global generator, so results would differ from eager",
+                "keep random ops in graph order (plan with make_plan: it adds ordering edges)",
+            )
+        last[tag] = n
 
 
 def _check_coverage(plan: Plan, edges, place: dict[str, int]) -> None:

@@ -27,6 +27,13 @@ their inputs (``triton_cells.launch_guard``), so a cell on cuda:1 runs on cuda:1
 ``nn.LSTM`` / ``nn.GRU`` modules on CUDA are left to cuDNN (``autopar.rnn.layers``); these
 cells serve user cell loops (``nn.LSTMCell`` / ``nn.GRUCell``) and the forced unrolled form.
 
+Mixed dtypes follow eager (:mod:`autopar.rnn.dtypes`): under CPU autocast the gate GEMMs
+are bfloat16 while the user's state stays float32, and ATen's cells promote, so the ops take
+``igates`` and ``hgates`` of one dtype and a state of any floating dtype, compute in the
+promoted dtype and return it; each gradient comes back in its input's dtype. A Dynamo graph
+thus keeps ``lstm_cell(F.linear(..), F.linear(..), c)`` as is and still fuses. Under CUDA
+autocast the forward ops cast every input to autocast's dtype, as ATen's listed cells do.
+
 Saved tensors: the forward ops save only their inputs (``igates``, ``hgates``, ``c``/``h``)
 and the backward ops recompute the activations: that saves no more than the unfused
 version's gate buffer and keeps the op schemas exactly ``(h, c_new)`` / ``h_new``.
@@ -37,6 +44,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from autopar.rnn.dtypes import (
+    AUTOCAST_CELL_DEVICES,
+    common_dtype,
+    eager_autocast,
+    promoted,
+    register_lower_precision_autocast,
+)
 
 __all__ = [
     "lstm_cell",
@@ -74,10 +89,10 @@ def _check_gates(name: str, igates: Tensor, hgates: Tensor, state: Tensor, n: in
             f"{tuple(state.shape)}; expected gates of shape [..., {n}*H] and state [..., H] "
             "with the same leading dimensions."
         )
-    if not (igates.dtype == hgates.dtype == state.dtype):
+    if igates.dtype != hgates.dtype or not state.is_floating_point():
         raise ValueError(
-            f"autopar::{name}: dtypes differ (igates {igates.dtype}, hgates {hgates.dtype}, "
-            f"state {state.dtype}); convert them to one dtype."
+            f"autopar::{name}: igates {igates.dtype} and hgates {hgates.dtype} must share a "
+            f"floating dtype, and the state ({state.dtype}) must be floating; convert them."
         )
     return hidden
 
@@ -102,6 +117,7 @@ def _lstm_cell_impl(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, 
         h, c = torch.ops.autopar.lstm_cell(ig, hg, c)   # == cell(x, (h, c))
     """
     hidden = _check_gates("lstm_cell", igates, hgates, c, 4)
+    igates, hgates, c = promoted(igates, hgates, c)
     if _on_cuda(igates, hgates, c):
         from autopar.runtime.kernels.triton_cells import lstm_cell_forward
 
@@ -125,7 +141,8 @@ lstm_cell = torch.library.custom_op("autopar::lstm_cell", _lstm_cell_impl, mutat
 @lstm_cell.register_fake
 def _(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     _check_gates("lstm_cell", igates, hgates, c, 4)
-    return c.new_empty(c.shape), c.new_empty(c.shape)
+    dtype = common_dtype(igates, c)
+    return c.new_empty(c.shape, dtype=dtype), c.new_empty(c.shape, dtype=dtype)
 
 
 def _lstm_cell_backward_impl(
@@ -141,6 +158,7 @@ def _lstm_cell_backward_impl(
         gg, gc = torch.ops.autopar.lstm_cell_backward(gh, gc_new, ig, hg, c)
     """
     hidden = _check_gates("lstm_cell_backward", igates, hgates, c, 4)
+    grad_h, grad_c, igates, hgates, c = promoted(grad_h, grad_c, igates, hgates, c)
     if _on_cuda(grad_h, grad_c, igates, hgates, c):
         from autopar.runtime.kernels.triton_cells import lstm_cell_backward as triton_bwd
 
@@ -180,7 +198,8 @@ lstm_cell_backward = torch.library.custom_op(
 @lstm_cell_backward.register_fake
 def _(grad_h, grad_c, igates, hgates, c):
     _check_gates("lstm_cell_backward", igates, hgates, c, 4)
-    return igates.new_empty(igates.shape), c.new_empty(c.shape)
+    dtype = common_dtype(grad_h, grad_c, igates, c)
+    return igates.new_empty(igates.shape, dtype=dtype), c.new_empty(c.shape, dtype=dtype)
 
 
 def _lstm_setup_context(ctx, inputs, output) -> None:
@@ -192,11 +211,17 @@ def _lstm_backward(ctx, grad_h: Tensor, grad_c: Tensor):
     grad_gates, grad_c_prev = torch.ops.autopar.lstm_cell_backward(
         grad_h, grad_c, igates, hgates, c
     )
-    need = ctx.needs_input_grad
+    return _lstm_grads(ctx.needs_input_grad, grad_gates, grad_c_prev, igates, c)
+
+
+def _lstm_grads(need, grad_gates: Tensor, grad_c_prev: Tensor, igates: Tensor, c: Tensor):
+    """The backward op's results as the gradients of (igates, hgates, c), each in its
+    input's dtype (the math ran in the promoted one)."""
+    grad_gates = grad_gates.to(igates.dtype)
     return (
         grad_gates if need[0] else None,
         grad_gates if need[1] else None,
-        grad_c_prev if need[2] else None,
+        grad_c_prev.to(c.dtype) if need[2] else None,
     )
 
 
@@ -220,6 +245,7 @@ def _gru_cell_impl(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
         h = torch.ops.autopar.gru_cell(ig, hg, h)   # == cell(x, h)
     """
     hidden = _check_gates("gru_cell", igates, hgates, h, 3)
+    igates, hgates, h = promoted(igates, hgates, h)
     if _on_cuda(igates, hgates, h):
         from autopar.runtime.kernels.triton_cells import gru_cell_forward
 
@@ -239,7 +265,7 @@ gru_cell = torch.library.custom_op("autopar::gru_cell", _gru_cell_impl, mutates_
 @gru_cell.register_fake
 def _(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
     _check_gates("gru_cell", igates, hgates, h, 3)
-    return h.new_empty(h.shape)
+    return h.new_empty(h.shape, dtype=common_dtype(igates, h))
 
 
 def _gru_cell_backward_impl(
@@ -252,6 +278,7 @@ def _gru_cell_backward_impl(
         gi, gh, gprev = torch.ops.autopar.gru_cell_backward(g, ig, hg, h)
     """
     hidden = _check_gates("gru_cell_backward", igates, hgates, h, 3)
+    grad_h_new, igates, hgates, h = promoted(grad_h_new, igates, hgates, h)
     if _on_cuda(grad_h_new, igates, hgates, h):
         from autopar.runtime.kernels.triton_cells import gru_cell_backward as triton_bwd
 
@@ -285,7 +312,9 @@ gru_cell_backward = torch.library.custom_op(
 @gru_cell_backward.register_fake
 def _(grad_h_new, igates, hgates, h):
     _check_gates("gru_cell_backward", igates, hgates, h, 3)
-    return igates.new_empty(igates.shape), igates.new_empty(igates.shape), h.new_empty(h.shape)
+    dtype = common_dtype(grad_h_new, igates, h)
+    gates = igates.new_empty(igates.shape, dtype=dtype)
+    return gates, igates.new_empty(igates.shape, dtype=dtype), h.new_empty(h.shape, dtype=dtype)
 
 
 def _gru_setup_context(ctx, inputs, output) -> None:
@@ -295,15 +324,27 @@ def _gru_setup_context(ctx, inputs, output) -> None:
 def _gru_backward(ctx, grad_h_new: Tensor):
     igates, hgates, h = ctx.saved_tensors
     grad_i, grad_hg, grad_h = torch.ops.autopar.gru_cell_backward(grad_h_new, igates, hgates, h)
-    need = ctx.needs_input_grad
+    return _gru_grads(ctx.needs_input_grad, grad_i, grad_hg, grad_h, igates, h)
+
+
+def _gru_grads(need, grad_i: Tensor, grad_hg: Tensor, grad_h: Tensor, igates: Tensor, h: Tensor):
+    """The backward op's results, each in its input's dtype (see :func:`_lstm_grads`)."""
     return (
-        grad_i if need[0] else None,
-        grad_hg if need[1] else None,
-        grad_h if need[2] else None,
+        grad_i.to(igates.dtype) if need[0] else None,
+        grad_hg.to(igates.dtype) if need[1] else None,
+        grad_h.to(h.dtype) if need[2] else None,
     )
 
 
 gru_cell.register_autograd(_gru_backward, setup_context=_gru_setup_context)
+
+
+# --------------------------------------------------------------------------- autocast
+
+_AUTOCAST_LIB = torch.library.Library("autopar", "FRAGMENT")  # the kernels live as long as it
+for _op in (torch.ops.autopar.lstm_cell.default, torch.ops.autopar.gru_cell.default):
+    for _device in AUTOCAST_CELL_DEVICES:
+        register_lower_precision_autocast(_op, _device, _AUTOCAST_LIB)
 
 
 # --------------------------------------------------------------------------- eager fast path
@@ -319,8 +360,9 @@ class _LSTMCellEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h, grad_c):
-        grad_gates, grad_c_prev = _lstm_cell_backward_impl(grad_h, grad_c, *ctx.saved_tensors)
-        return grad_gates, grad_gates, grad_c_prev
+        igates, hgates, c = ctx.saved_tensors
+        grad_gates, grad_c_prev = _lstm_cell_backward_impl(grad_h, grad_c, igates, hgates, c)
+        return _lstm_grads((True,) * 3, grad_gates, grad_c_prev, igates, c)
 
 
 class _GRUCellEager(torch.autograd.Function):
@@ -333,7 +375,9 @@ class _GRUCellEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h_new):
-        return _gru_cell_backward_impl(grad_h_new, *ctx.saved_tensors)
+        igates, hgates, h = ctx.saved_tensors
+        grads = _gru_cell_backward_impl(grad_h_new, igates, hgates, h)
+        return _gru_grads((True,) * 3, *grads, igates, h)
 
 
 # In eager mode a custom op with autograd costs ~2x a plain autograd.Function per call
@@ -343,61 +387,13 @@ class _GRUCellEager(torch.autograd.Function):
 def _lstm_pointwise(igates: Tensor, hgates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     if torch.compiler.is_compiling():
         return torch.ops.autopar.lstm_cell(igates, hgates, c)
-    return _LSTMCellEager.apply(igates, hgates, c)
+    return _LSTMCellEager.apply(*eager_autocast(igates, hgates, c))
 
 
 def _gru_pointwise(igates: Tensor, hgates: Tensor, h: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.autopar.gru_cell(igates, hgates, h)
-    return _GRUCellEager.apply(igates, hgates, h)
-
-
-# --------------------------------------------------------------------------- cell forwards
-
-
-def _lstm_cell_module_forward(self: nn.LSTMCell, input: Tensor, hx=None):
-    """``nn.LSTMCell.forward`` with the pointwise part as ``autopar::lstm_cell``."""
-    if input.dim() not in (1, 2):
-        raise ValueError(f"LSTMCell: Expected input to be 1D or 2D, got {input.dim()}D instead")
-    if hx is not None:
-        for idx, value in enumerate(hx):
-            if value.dim() not in (1, 2):
-                raise ValueError(
-                    f"LSTMCell: Expected hx[{idx}] to be 1D or 2D, got {value.dim()}D instead"
-                )
-    batched = input.dim() == 2
-    if not batched:
-        input = input.unsqueeze(0)
-    if hx is None:
-        zeros = input.new_zeros(input.size(0), self.hidden_size)
-        hx = (zeros, zeros)
-    elif not batched:
-        hx = (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
-    igates = F.linear(input, self.weight_ih, self.bias_ih)
-    hgates = F.linear(hx[0], self.weight_hh, self.bias_hh)
-    h, c = _lstm_pointwise(igates, hgates, hx[1])
-    if not batched:
-        return h.squeeze(0), c.squeeze(0)
-    return h, c
-
-
-def _gru_cell_module_forward(self: nn.GRUCell, input: Tensor, hx=None):
-    """``nn.GRUCell.forward`` with the pointwise part as ``autopar::gru_cell``."""
-    if input.dim() not in (1, 2):
-        raise ValueError(f"GRUCell: Expected input to be 1D or 2D, got {input.dim()}D instead")
-    if hx is not None and hx.dim() not in (1, 2):
-        raise ValueError(f"GRUCell: Expected hidden to be 1D or 2D, got {hx.dim()}D instead")
-    batched = input.dim() == 2
-    if not batched:
-        input = input.unsqueeze(0)
-    if hx is None:
-        hx = input.new_zeros(input.size(0), self.hidden_size)
-    elif not batched:
-        hx = hx.unsqueeze(0)
-    igates = F.linear(input, self.weight_ih, self.bias_ih)
-    hgates = F.linear(hx, self.weight_hh, self.bias_hh)
-    h = _gru_pointwise(igates, hgates, hx)
-    return h if batched else h.squeeze(0)
+    return _GRUCellEager.apply(*eager_autocast(igates, hgates, h))
 
 
 # --------------------------------------------------------------------------- the oneDNN op

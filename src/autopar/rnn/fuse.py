@@ -29,6 +29,9 @@ Safety (a chain that fails any of these is left as it is):
 
 * T >= 2; every step uses the same weight/bias nodes (biases both present or both absent);
 * CPU float32 2-D ``[B, I]`` inputs, ``[B, H]`` states, and (LSTM) ``torch.backends.mkldnn``;
+  under ``torch.autocast`` a float32 loop qualifies too (only its gate GEMMs were lower
+  precision): the fused layer runs in float32, and returns float32 as the eager cells do
+  there (their state math promotes, see ``rnn.cells``), with less rounding than eager;
 * no external input of the chain (``x_t``, ``h0``, ``c0``, weights) depends on a node of the
   chain (no feedback, e.g. a decoder feeding its output back as the next input);
 * the intermediate ``c_t`` (t < T-1) and the gate GEMMs have no users outside the chain;

@@ -16,14 +16,62 @@ import types
 from collections.abc import Iterator
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from autopar.errors import CaptureError
 from autopar.rnn import layers as rnn_layers
-from autopar.rnn.cells import _gru_cell_module_forward, _lstm_cell_module_forward
+from autopar.rnn.cells import _gru_pointwise, _lstm_pointwise
 from autopar.rnn.layers import gru_module_forward, lstm_module_forward
 
 __all__ = ["rewrite_rnns"]
+
+
+# The cells' forwards: nn.LSTMCell / nn.GRUCell's checks and GEMMs, the pointwise part as
+# autopar's cell ops (rnn.cells; mixed dtypes under autocast are promoted there, as ATen does).
+def _lstm_cell_module_forward(self: nn.LSTMCell, input: Tensor, hx=None):
+    """``nn.LSTMCell.forward`` with the pointwise part as ``autopar::lstm_cell``."""
+    if input.dim() not in (1, 2):
+        raise ValueError(f"LSTMCell: Expected input to be 1D or 2D, got {input.dim()}D instead")
+    if hx is not None:
+        for idx, value in enumerate(hx):
+            if value.dim() not in (1, 2):
+                raise ValueError(
+                    f"LSTMCell: Expected hx[{idx}] to be 1D or 2D, got {value.dim()}D instead"
+                )
+    batched = input.dim() == 2
+    if not batched:
+        input = input.unsqueeze(0)
+    if hx is None:
+        zeros = input.new_zeros(input.size(0), self.hidden_size)
+        hx = (zeros, zeros)
+    elif not batched:
+        hx = (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
+    igates = F.linear(input, self.weight_ih, self.bias_ih)
+    hgates = F.linear(hx[0], self.weight_hh, self.bias_hh)
+    h, c = _lstm_pointwise(igates, hgates, hx[1])
+    if not batched:
+        return h.squeeze(0), c.squeeze(0)
+    return h, c
+
+
+def _gru_cell_module_forward(self: nn.GRUCell, input: Tensor, hx=None):
+    """``nn.GRUCell.forward`` with the pointwise part as ``autopar::gru_cell``."""
+    if input.dim() not in (1, 2):
+        raise ValueError(f"GRUCell: Expected input to be 1D or 2D, got {input.dim()}D instead")
+    if hx is not None and hx.dim() not in (1, 2):
+        raise ValueError(f"GRUCell: Expected hidden to be 1D or 2D, got {hx.dim()}D instead")
+    batched = input.dim() == 2
+    if not batched:
+        input = input.unsqueeze(0)
+    if hx is None:
+        hx = input.new_zeros(input.size(0), self.hidden_size)
+    elif not batched:
+        hx = hx.unsqueeze(0)
+    igates = F.linear(input, self.weight_ih, self.bias_ih)
+    hgates = F.linear(hx, self.weight_hh, self.bias_hh)
+    h = _gru_pointwise(igates, hgates, hx)
+    return h if batched else h.squeeze(0)
 
 
 def _replacement(module: nn.Module):
