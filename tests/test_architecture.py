@@ -17,6 +17,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "autopar"
 #: and earlier ones only. ``errors`` is shared by all; ``pipeline`` and ``api`` compose.
 LAYERS = (
     "errors",
+    "logs",
     "capture",
     "profiling",
     "planning",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -152,10 +153,13 @@ def test_debug_dir_holds_graph_profile_plan_program_and_gantt(tmp_path, monkeypa
     model, (x,) = zoo.build("mlp")
     cmodel = autopar.compile(model, streams=2, store=ProfileStore.memory())
     cmodel(x).sum().backward()
+    # per process and per compiled model, like Inductor's debug dir
+    (run,) = tmp_path.glob(f"run-{os.getpid()}-*")
+    model_dir = run / cmodel._autopar_pipeline.name
     for tag in ("g0.fw", "g0.bw"):
-        files = {p.name for p in (tmp_path / tag).iterdir()}
+        files = {p.name for p in (model_dir / tag).iterdir()}
         assert {"graph.py", "profile.csv", "plan.json", "program.py", "gantt.png"} <= files
-        program = (tmp_path / tag / "program.py").read_text()
+        program = (model_dir / tag / "program.py").read_text()
         assert program == next(
             r.program.source for r in cmodel._autopar_pipeline.records if r.tag == tag
         )

@@ -10,9 +10,11 @@ A package per stage, imports flowing one way (docs/architecture.md)::
     capture -> profiling -> planning -> codegen -> runtime -> rnn -> adapt
             -> pipeline, inspection, api (compose) -> parallel -> tools
 
-``api`` only composes; ``errors`` is shared by all.
+``api`` only composes; ``errors`` and ``logs`` are shared by all. ``torch.compile(model,
+backend="autopar", options={...})`` is the same pipeline (``autopar.api.autopar_backend``).
 """
 
+from autopar import logs
 from autopar.adapt.monitor import AdaptOptions, stats
 from autopar.api import (
     CompiledModule,
@@ -22,12 +24,16 @@ from autopar.api import (
     graphs,
     plan,
     profile,
+    register_backend,
     wait,
 )
 from autopar.parallel.step import compile_step
 from autopar.planning.plan import Plan, Stream, Sync
 
 __version__ = "0.1.0"
+
+logs.setup()  # $AUTOPAR_LOGS, and the "autopar" log in torch._logging's registry
+register_backend()  # torch.compile(model, backend="autopar")
 
 __all__ = [
     "AdaptOptions",
@@ -41,6 +47,7 @@ __all__ = [
     "compile_step",
     "explain",
     "graphs",
+    "logs",
     "plan",
     "profile",
     "stats",

@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,10 +72,11 @@ class CompiledModule(nn.Module):
         super().__init__()
         self._orig_mod = model
         self._autopar_options = options
-        self._autopar_pipeline = Pipeline(options)
+        self._autopar_pipeline = Pipeline(options, type(model).__name__)
         # Not registered as a submodule: it wraps the same model and would show up twice.
+        # The backend is Pipeline.backend: Capture.backend plus the compile's log lines.
         object.__setattr__(
-            self, "_autopar_compiled", dynamo_compile(model, self._autopar_pipeline.capture)
+            self, "_autopar_compiled", dynamo_compile(model, self._autopar_pipeline)
         )
         self._autopar_signature = _signature_of(model)
         self._autopar_lock = threading.Lock()
@@ -189,7 +191,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
 
 def graphs(cmodel: CompiledModule) -> list:
-    """The captured graphs of a compiled model, in capture order: one frozen
+    """The captured graphs of a compiled model (``autopar.compile``'s, or a module compiled
+    with ``torch.compile(..., backend="autopar")``), in capture order: one frozen
     :class:`autopar.capture.backend.GraphUnit` each (tag, FX graph, profile table, plan,
     program, executor, provenance). A snapshot: later re-plans make new units.
 
@@ -199,9 +202,7 @@ def graphs(cmodel: CompiledModule) -> list:
         for u in autopar.graphs(cmodel):
             print(u.tag, u.executor, u.plan.policy if u.plan else u.fallback, u.timings)
     """
-    if not isinstance(cmodel, CompiledModule):
-        raise TypeError(f"graphs() expects the result of autopar.compile, got {type(cmodel)}")
-    return [r.unit for r in cmodel._autopar_pipeline.records]
+    return [r.unit for r in _pipeline_of(cmodel, "graphs").records]
 
 
 def wait(cmodel: CompiledModule, timeout: float | None = None) -> bool:
@@ -215,9 +216,7 @@ def wait(cmodel: CompiledModule, timeout: float | None = None) -> bool:
         train_step(cmodel)          # starts at once on the planned programs
         autopar.wait(cmodel)        # the Inductor tier is compiled; it lands next step
     """
-    if not isinstance(cmodel, CompiledModule):
-        raise TypeError(f"wait() expects the result of autopar.compile, got {type(cmodel)}")
-    return cmodel._autopar_pipeline.wait(timeout)
+    return _pipeline_of(cmodel, "wait").wait(timeout)
 
 
 def explain(cmodel: CompiledModule) -> Explanation:
@@ -231,9 +230,132 @@ def explain(cmodel: CompiledModule) -> Explanation:
         ex = autopar.explain(cmodel)
         print(ex.summary()); ex.graphs[0].executor; ex.steps; ex.fallbacks
     """
-    if not isinstance(cmodel, CompiledModule):
-        raise TypeError(f"explain() expects the result of autopar.compile, got {type(cmodel)}")
-    return explanation(cmodel._autopar_pipeline)
+    return explanation(_pipeline_of(cmodel, "explain"))
+
+
+# -- torch.compile(model, backend="autopar", options={...}) ----------------------------------
+BACKEND = "autopar"
+
+# The pipelines of backend="autopar": per compiled model (``_dynamo_owner``), then per
+# options. Weak keys: a model that goes away takes its pipelines along.
+_backend_pipelines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_unowned: dict = {}
+_backend_lock = threading.Lock()
+
+
+def autopar_backend(gm, example_inputs, *, options: dict | None = None, mode: str | None = None):
+    """``torch.compile(model, backend="autopar", options={...})``: the same pipeline as
+    :func:`compile` (``Pipeline.backend``), one per compiled module and options; ``options``
+    takes :func:`compile`'s keywords (``{"policy": "auto", "streams": 2}``).
+
+    Registered with Dynamo by the ``torch_dynamo_backends`` entry point (so it works before
+    ``import autopar``), or at ``import autopar`` where that is missing.
+
+    What only :func:`compile` does: the eager/compiled race (``race``), the per-signature
+    plan cache and the ``nn.LSTM``/``GRU`` rewrite (``rnn="unroll"``; a user's cell loop is
+    still fused), since they wrap the module's call, which ``torch.compile`` owns here.
+    Pass ``dynamic=False`` for a plan per shape (what :func:`compile` does); otherwise
+    Dynamo's dynamic graph keeps the plan made at the shape it first ran.
+
+    Example::
+
+        cmodel = torch.compile(model, backend="autopar", options={"streams": 2})
+        loss_fn(cmodel(x), y).backward()
+        autopar.explain(cmodel)
+    """
+    if mode not in (None, "default"):
+        raise ValueError(f"backend='autopar' has no mode {mode!r}; pass options={{...}} instead")
+    opts = backend_options(options)
+    owner, name = _dynamo_owner()
+    with _backend_lock:
+        if owner is None:  # no model found: one pipeline per options
+            table = _unowned
+        else:
+            table = _backend_pipelines.setdefault(owner, {})
+        pipe = table.get(_options_key(opts))
+        if pipe is None:
+            pipe = table[_options_key(opts)] = Pipeline(opts, name)
+    return pipe.backend(gm, example_inputs)
+
+
+def backend_options(options: dict | None) -> CompileOptions:
+    """``CompileOptions`` from ``torch.compile``'s ``options`` dict (``compile``'s keywords)."""
+    names = [f.name for f in dataclasses.fields(CompileOptions)]
+    unknown = sorted(set(options or {}) - set(names))
+    if unknown:
+        raise ValueError(f"backend='autopar': unknown options {unknown}; valid: {names}")
+    return CompileOptions(**(options or {}))
+
+
+def _options_key(opts: CompileOptions):
+    try:
+        hash(opts)
+        return opts
+    except TypeError:  # an unhashable store object: the options as given
+        return repr(opts)
+
+
+def _dynamo_owner() -> tuple[Any, str]:
+    """The model Dynamo is compiling: the module of the innermost ``torch.compile``'d module
+    being called (so a graph break's later frames, in submodules too, join its pipeline);
+    else the traced frame's first argument when it is a module (its class names it); else
+    the frame's code object (a compiled function)."""
+    import sys
+
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("_wrapped_call_impl", "_call_impl", "__call__"):
+            me = frame.f_locals.get("self")
+            if isinstance(me, OptimizedModule):
+                return me._orig_mod, type(me._orig_mod).__name__
+        frame = frame.f_back
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code = tx.f_code
+        me = tx.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if isinstance(me, nn.Module):
+            return me, type(me).__name__
+        return code, code.co_name
+    except Exception:  # noqa: BLE001 - another torch: one pipeline per options
+        return None, "model"
+
+
+def _pipeline_of(cmodel, what: str) -> Pipeline:
+    """The pipeline of ``autopar.compile``'s module, or of a module compiled with
+    ``torch.compile(..., backend="autopar")`` (after its first call)."""
+    if isinstance(cmodel, CompiledModule):
+        return cmodel._autopar_pipeline
+    module = getattr(cmodel, "_orig_mod", cmodel)
+    table = _backend_pipelines.get(module) if isinstance(module, nn.Module) else None
+    if table:
+        return list(table.values())[-1]  # the latest options it was compiled with
+    raise TypeError(
+        f"{what}() expects the result of autopar.compile, or a module compiled with "
+        f"torch.compile(..., backend='autopar') after its first call; got {type(cmodel)}"
+    )
+
+
+def register_backend() -> None:
+    """Make ``backend="autopar"`` known to Dynamo. An installed autopar declares it as a
+    ``torch_dynamo_backends`` entry point, which Dynamo loads itself (registering here too
+    would clash); a source tree without installed metadata registers it here."""
+    from importlib.metadata import entry_points
+
+    try:
+        if BACKEND in entry_points(group="torch_dynamo_backends").names:
+            return
+    except Exception:  # noqa: BLE001 - broken metadata: register directly
+        pass
+    import torch._dynamo
+
+    try:
+        torch._dynamo.register_backend(autopar_backend, name=BACKEND)
+    except AssertionError:  # already registered (a reload)
+        pass
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 
@@ -54,4 +55,5 @@ def warn_fallback(what: str, node=None, fix: str = "") -> None:
     msg = f"autopar: {what}{where}; this part runs eagerly (results stay correct)."
     if fix:
         msg += f" {fix}"
+    logging.getLogger("autopar").info("%s", msg)  # one line in the log too (autopar.logs)
     warnings.warn(msg, FallbackWarning, stacklevel=3)

@@ -11,7 +11,10 @@ profile -> plan -> codegen; later calls go through the adaptive monitor (``autop
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
+import threading
 import time
 import warnings
 
@@ -28,6 +31,7 @@ from autopar.adapt.monitor import (
 )
 from autopar.capture.backend import Capture, GraphRecord
 from autopar.errors import warn_fallback
+from autopar.logs import CompileProgress
 from autopar.runtime.race import StepRace
 from autopar.runtime.tiers import Tiers
 
@@ -38,8 +42,9 @@ MEASURE_MARGIN = 0.95
 class Pipeline:
     """Capture, then for each graph on its first real call: profile -> plan -> codegen."""
 
-    def __init__(self, options):
+    def __init__(self, options, name: str = "model"):
         self.options = options
+        self.name = unique_name(name)  # the model in logs and the debug dir: "MLP", "MLP-2"
         adapt = getattr(options, "adapt", True)
         adapt = AdaptOptions() if adapt is True else (adapt or None)
         cache_size = getattr(options, "cache_size", 8)
@@ -56,6 +61,10 @@ class Pipeline:
         self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
+        self.progress: CompileProgress | None = None  # the compile now or last under way
+        self._next: tuple[float, str] | None = None  # (start, reason): this step may compile
+        self._call: float | None = None  # start of the forward call under way (None: none)
+        self._last_key = None
 
     def _has_rnn(self, model: nn.Module) -> bool:
         """Whether ``model`` holds an RNN module to rewrite; looked up once (walking every
@@ -89,18 +98,71 @@ class Pipeline:
         t0 = time.perf_counter()
         if self.race.choose(key, t0) == "eager" or _empty_batch(args, kwargs):
             return model(*args, **kwargs)
+        self._next = None
+        if key not in self.monitor.cache.entries:  # a new input signature: it compiles
+            self._next = (t0, self._why(key, first))
+        self._last_key = key
         self.monitor.begin_step(key, lambda: describe_key(key))
-        with dynamo_limit():
-            if self.options.rnn == "unroll" and self._has_rnn(model):
-                from autopar.rnn.rewrite import rewrite_rnns
+        self._call = t0
+        try:
+            with dynamo_limit():
+                if self.options.rnn == "unroll" and self._has_rnn(model):
+                    from autopar.rnn.rewrite import rewrite_rnns
 
-                with rewrite_rnns(model):
+                    with rewrite_rnns(model):
+                        out = compiled(*args, **kwargs)
+                else:
                     out = compiled(*args, **kwargs)
-            else:
-                out = compiled(*args, **kwargs)
+        finally:
+            self._call = None
         if first:
             self.compile_seconds = time.perf_counter() - t0
         return out
+
+    def backend(self, gm, example_inputs):
+        """This model's ``torch.compile`` backend: ``Capture.backend`` (Dynamo graph ->
+        AOTAutograd -> recorded graphs), with one log line for the compile it belongs to
+        (its reason: the first call, a new input signature, Dynamo's recompile reason)
+        and one for the capture. ``autopar.compile`` and ``backend="autopar"`` both come
+        through here."""
+        why = _dynamo_reason()
+        progress = self._episode(f"Dynamo: {why}" if why else None)
+        n = len(self.records)
+        t0 = time.perf_counter()
+        compiled = self.capture.backend(gm, example_inputs)
+        new = self.records[n:]
+        if new:
+            k = new[0].group
+            shown = ", ".join(f"{r.tag} {r.num_nodes} nodes" for r in new)
+            progress.stage(f"g{k}", "capture", time.perf_counter() - t0, f"AOTAutograd: {shown}")
+        return compiled
+
+    def _episode(self, dynamo_reason: str | None = None) -> CompileProgress:
+        """The compile that a Dynamo graph or a first call belongs to; a new one (logging its
+        header) at a new input signature, a Dynamo recompile, or the very first graph."""
+        with _episode_lock:
+            if self._next is not None:  # autopar.compile: this step has a new signature
+                start, why = self._next
+                self._next = None
+                self.progress = CompileProgress(self.name, why, start)
+            elif self.progress is None:  # (Dynamo may call it a recompile: the class's
+                # code was compiled before, for another model or backend)
+                self.progress = CompileProgress(self.name, "first call")
+            elif dynamo_reason is not None and not (
+                self._call is not None and self.progress.start == self._call
+            ):  # a recompile that is not part of the compile this call already started
+                self.progress = CompileProgress(self.name, dynamo_reason, self._call)
+            return self.progress
+
+    def _why(self, key, first: bool) -> str:
+        """Why a call with input signature ``key`` compiles (one line)."""
+        if first:
+            return "first call"
+        new = describe_key(key)
+        if key in self.monitor.cache.seen:
+            return f"input signature {new} again, evicted from the plan cache"
+        change = _key_change(self._last_key, key)
+        return f"new input signature {new}" + (f": {change}" if change else "")
 
     def prepare(self, record: GraphRecord, args: list):
         """Profile (running the graph once for real), plan, generate; return (out, runner)."""
@@ -111,6 +173,7 @@ class Pipeline:
 
         opts = self.options
         debug_dir = opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR")
+        progress = self._episode()
         t0 = time.perf_counter()
         try:
             out, table = profile_graph(
@@ -123,7 +186,7 @@ class Pipeline:
                 repeats=opts.repeats,
             )
         except Exception:
-            _write_debug(record, debug_dir)  # the graph, for a bug report
+            _write_debug(record, debug_dir, self.name)  # the graph, for a bug report
             raise  # nothing ran for real yet: LazyGraph falls back to the captured graph
         # The store is checked against this run: entries it contradicts are re-measured
         # (one StoreWarning names them), so one bad sample never poisons a plan.
@@ -132,17 +195,28 @@ class Pipeline:
                        and a.is_cuda})  # fmt: skip
         with torch.random.fork_rng(devices=cuda):
             table, _ = heal(table, store=self.store)
-        record.advance("profile", time.perf_counter() - t0, table=table)
+        dt = time.perf_counter() - t0
+        record.advance("profile", dt, table=table)
+        attrs = getattr(table, "attrs", {})
+        progress.stage(record.tag, "profile", dt, f"{attrs.get('measured', 0)} of "
+                       f"{attrs.get('signatures', 0)} operator signatures timed")  # fmt: skip
         try:
             table = self.monitor.prepared(record, table)
             record.advance("monitor", table=table)
             plan, program = self.plan_and_generate(record, table)
+            progress.stage(record.tag, "plan", _last(record, "plan"), _describe(plan))
+            progress.stage(record.tag, "codegen", _last(record, "codegen"),
+                           f"{len(program.streams_used) or 1}-stream program")
+            stamps = len(record.unit.provenance)
             plan, program = self.confirm_by_measurement(record, table, args, plan, program)
+            if len(record.unit.provenance) > stamps:  # the verdict, with what was kept
+                p = record.unit.provenance[-1]
+                progress.stage(record.tag, p.stage, p.seconds, (plan.notes or (p.note,))[-1])
         except Exception as exc:  # noqa: BLE001
             # The profiler already ran the graph for real (buffer updates, RNG draws are
             # done): return its outputs and run the captured graph from now on. Running it
             # again here would apply those side effects twice.
-            _write_debug(record, debug_dir)
+            _write_debug(record, debug_dir, self.name)
             record.advance("fallback", fallback=f"{type(exc).__name__}: {exc}")
             warn_fallback(
                 f"could not plan graph {record.tag} ({record.fallback})",
@@ -157,7 +231,7 @@ class Pipeline:
         if self.tiers is not None:
             self.tiers.start(record, args)  # background=False: compiles and measures now
         self.monitor.compiled(record, time.perf_counter() - t0)
-        _write_debug(record, debug_dir)
+        _write_debug(record, debug_dir, self.name)
         return out, record.runner
 
     def on_call(self, record: GraphRecord, runner, args):
@@ -267,12 +341,13 @@ def _inductor(options) -> bool:
     return bool(flag)
 
 
-def _write_debug(record: GraphRecord, debug_dir: str | None) -> None:
-    """AUTOPAR_DEBUG_DIR: the graph, the profile, plan.json, the program and a Gantt PNG."""
+def _write_debug(record: GraphRecord, debug_dir: str | None, model: str = "model") -> None:
+    """AUTOPAR_DEBUG_DIR: the graph, the profile, plan.json, the program and a Gantt PNG, in
+    ``<debug_dir>/run-<pid>-<n>/<model>/<graph tag>/`` (:func:`run_dir`)."""
     if not debug_dir:
         return
     try:
-        d = os.path.join(debug_dir, record.tag)
+        d = os.path.join(run_dir(debug_dir), model, record.tag)
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "graph.py"), "w") as f:
             f.write(record.gm.code)
@@ -283,8 +358,96 @@ def _write_debug(record: GraphRecord, debug_dir: str | None) -> None:
         if record.plan is not None:
             with open(os.path.join(d, "plan.json"), "w") as f:
                 f.write(record.plan.to_json(indent=1))
-            record.plan.gantt(os.path.join(d, "gantt.png"), title=record.tag)
+            record.plan.gantt(os.path.join(d, "gantt.png"), title=f"{model} {record.tag}")
         if record.program is not None:
             record.program.save(os.path.join(d, "program.py"))
     except Exception as exc:  # noqa: BLE001 - debug output must never break training
         warnings.warn(f"autopar: could not write debug output to {debug_dir}: {exc}", stacklevel=2)
+
+
+_run_dirs: dict[tuple[int, str], str] = {}
+_names: dict[str, itertools.count] = {}
+_names_lock = threading.Lock()
+_episode_lock = threading.RLock()
+
+
+def run_dir(debug_dir: str) -> str:
+    """This process's folder under ``debug_dir``: ``run-<pid>-<n>``, ``n`` the first number
+    not taken (a container's pid repeats across runs), claimed once per process."""
+    root = os.path.abspath(debug_dir)
+    key = (os.getpid(), root)  # a forked child claims its own
+    with _names_lock:
+        if key not in _run_dirs:
+            os.makedirs(root, exist_ok=True)
+            for n in itertools.count():
+                d = os.path.join(root, f"run-{os.getpid()}-{n}")
+                try:
+                    os.mkdir(d)
+                except FileExistsError:
+                    continue
+                _run_dirs[key] = d
+                break
+        return _run_dirs[key]
+
+
+def unique_name(base: str) -> str:
+    """``base`` the first time in this process, then ``base-2``, ``base-3``, ...: one name
+    per compiled model (two MLPs do not share a debug folder or log prefix)."""
+    base = "".join(c if c.isalnum() or c in "._-" else "_" for c in base) or "model"
+    with _names_lock:
+        n = next(_names.setdefault(base, itertools.count(1)))
+    return base if n == 1 else f"{base}-{n}"
+
+
+def _last(record: GraphRecord, stage: str) -> float:
+    """Seconds of ``record``'s latest ``stage`` stamp."""
+    return next((p.seconds for p in reversed(record.unit.provenance) if p.stage == stage), 0.0)
+
+
+def _describe(plan) -> str:
+    streams = len(getattr(plan, "streams", ()) or ()) or 1
+    return (f"{plan.policy} on {streams} stream{'s' if streams > 1 else ''}, predicted "
+            f"{plan.predicted_step_time * 1e3:.3f} ms")  # fmt: skip
+
+
+def _key_change(old, new) -> str:
+    """What differs between two input signatures (``adapt.shapes.input_key``), in words:
+    ``input 0 shape [4, 8] -> [6, 8]``."""
+    if old is None or new is None:
+        return ""
+    names = ("mode", "grad mode", "autocast", "intra-op threads")
+    words = {0: ("eval", "train"), 1: ("off", "on")}
+    out = []
+    for i, (a, b) in enumerate(zip(old[:4], new[:4], strict=True)):
+        if a != b:
+            a, b = (words[i][bool(a)], words[i][bool(b)]) if i in words else (a, b)
+            out.append(f"{names[i]} {a} -> {b}")
+    ins_a, ins_b = old[4:], new[4:]
+    if len(ins_a) != len(ins_b):
+        out.append(f"{len(ins_a)} -> {len(ins_b)} inputs")
+    for i, (a, b) in enumerate(zip(ins_a, ins_b, strict=False)):  # counts told above
+        if a == b:
+            continue
+        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 3:
+            for what, x, y in zip(("shape", "dtype", "device"), a, b, strict=True):
+                if x != y:
+                    fmt = list if what == "shape" else str
+                    out.append(f"input {i} {what} {fmt(x)} -> {fmt(y)}")
+        else:
+            out.append(f"input {i} {a!r} -> {b!r}")
+    return ", ".join(out)
+
+
+def _dynamo_reason() -> str | None:
+    """Why Dynamo is compiling again (its first guard failure), when it is a recompile; None
+    for a frame's first compile. Read from Dynamo's compile metrics; None when absent."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = getattr(get_metrics_context(), "_metrics", {}).get("recompile_reason")
+    except Exception:  # noqa: BLE001 - another torch: no reason, still one line
+        return None
+    if not reason:
+        return None
+    line = " ".join(str(reason).split("\n")[0].split())  # one line, spaces collapsed
+    return re.sub(r"^\d+/\d+: ", "", line)  # without the failed entry's id ("0/0: ")
