@@ -5,3 +5,6 @@ tests of Inductor pay its 20-40 s cold compiles on a 2-core machine."""
 import os
 
 os.environ.setdefault("AUTOPAR_INDUCTOR", "0")
+# The Inductor tests compile whole graphs only; the segment tier (many compiles per graph)
+# is tested on its own (tests/test_tiers.py::test_segment_tier_*).
+os.environ.setdefault("AUTOPAR_TIERS", "inductor")

@@ -48,6 +48,8 @@ def test_bench_model_reports_every_column(tmp_path):
     assert {g["tag"] for g in a["graphs"]} == {"g0.fw", "g0.bw"}
     assert all(g["executor"] in ("plan", "captured") for g in a["graphs"])
     assert a["fastest_tier_s"] is not None  # no tier: the first step's executors are final
+    # --no-inductor: autopar itself runs its plans, so its monitor checks the cost model
+    assert a["prediction_error_pct"] is not None and a["plan_measured_fwbw_ms"] > 0
     (race,) = a["race"]
     assert set(race) == {"signature", "verdict", "reason"} and race["reason"]
     json.dumps(res)  # what --out writes
@@ -71,6 +73,19 @@ def test_bench_model_reports_every_column(tmp_path):
     bench.write_csv(str(path), [res])
     header, *rows = path.read_text().splitlines()
     assert header.split(",") == bench.CSV_COLUMNS and len(rows) == 2
+
+
+def test_cost_model_probe_runs_the_plans_only(tmp_path):
+    """With autopar's Inductor tier on, an ``autopar-plans`` contender (inductor and race off)
+    runs the planned programs the cost model predicts; it is never the "best" peer."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = bench.resolve_args(parser.parse_args(["--store", str(tmp_path / "s.json")]))
+    contenders = {c.name: c for c in bench._make_contenders(TINY.make(), args)}
+    assert set(contenders) == set(bench.CONTENDERS)
+    opts = contenders["autopar-plans"].module._autopar_pipeline.options
+    assert opts.inductor is False and opts.race is False
+    assert "autopar-plans" in bench.PROBES
 
 
 def test_mse_and_cross_entropy_losses():

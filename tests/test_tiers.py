@@ -109,3 +109,33 @@ def test_backward_tier_accepts_a_new_layout_from_the_forward_tier(always_land):
         "g0.fw": "inductor", "g0.bw": "inductor"}  # fmt: skip
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_segment_tier_lands_and_trains_like_eager(always_land, monkeypatch):
+    """The segment tier (Inductor C++-wrapper segments on two streams) as a candidate: the
+    cost model's bar is lowered so that a small two-branch graph qualifies; it compiles at
+    the first call (background=False), lands, and training equals eager (fp64 oracle)."""
+    import autopar.runtime.segment_runner as seg
+
+    monkeypatch.setenv("AUTOPAR_TIERS", "segments")
+    monkeypatch.setattr(seg, "SEGMENT_MIN_SAVING_S", 0.0)
+    monkeypatch.setattr(seg, "SEGMENT_MIN_GAIN", 1.0)
+    torch.manual_seed(0)
+    model = BranchyNet().eval()  # eval: no dropout draws, BatchNorm reads its statistics
+    x = torch.randn(8, 16)
+    compiled = {}
+
+    def compile_fn(m):
+        compiled["m"] = autopar.compile(m, inductor=True, background=False, race=False,
+                                        streams=2, store=ProfileStore.memory())  # fmt: skip
+        return compiled["m"]
+
+    check_training(model, (x,), compile_fn, opt_name="sgd")
+    executors = {u.tag: u.executor for u in autopar.graphs(compiled["m"])}
+    assert "segments" in executors.values(), (executors, autopar.explain(compiled["m"]).tiers)
+
+
+def test_unknown_tier_name_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_TIERS", "inductor,warp")
+    with pytest.raises(ValueError, match="unknown tier.*warp"):
+        tiers.default_candidates()

@@ -61,7 +61,10 @@ log = logging.getLogger("autopar")
 STEP_COLUMNS = ["step", "graphs", "shape", "predicted_s", "measured_s", "ratio", "plan", "event"]
 GRAPH_COLUMNS = [
     "step", "graph", "shape", "predicted_s", "measured_s", "ratio", "plan", "streams_s", "event",
+    "executor",
 ]  # fmt: skip
+# ``executor``: what ran the call ("plan", "inductor", ...; "compile" for the first call,
+# "profiler" for a re-profile). Only "plan" rows measure what ``predicted_s`` predicts.
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ class Monitor:
             plan = record.plan
             self.rows.append(
                 (self.step, record.tag, self.cache.describe(self.key), plan.predicted_step_time,
-                 seconds, float("nan"), plan.plan_hash, None, st.event)
+                 seconds, float("nan"), plan.plan_hash, None, st.event, "compile")
             )  # fmt: skip
             st.event = ""
 
@@ -293,7 +296,7 @@ class Monitor:
         event, st.event = st.event, ""
         self.rows.append(
             (self.step, record.tag, self.cache.describe(self.key), pred, dt, ratio,
-             st.plan_hash(plan), segs, event)
+             st.plan_hash(plan), segs, event, record.executor)
         )  # fmt: skip
         if plan is None or not ratio == ratio or st.reason is not None or st.busy:
             return
@@ -357,7 +360,7 @@ class Monitor:
         self.rows.append(
             (self.step, record.tag, self.cache.describe(self.key), float("nan"),
              time.perf_counter() - t0, float("nan"), record.plan.plan_hash, None,
-             f"re-profiled ({reason})")
+             f"re-profiled ({reason})", "profiler")
         )  # fmt: skip
         for sig in fresh:  # the store keeps the latest measurement of each signature
             pipe.store.put(sig, fresh.get(sig))
@@ -462,7 +465,7 @@ def _monitor(cmodel) -> Monitor:
 def stats(cmodel, per: str = "step"):
     """Measured vs predicted time: a pandas DataFrame, one row per step (``per="step"``: a
     forward call and the backward graphs run after it) or per graph call (``per="graph"``,
-    with sampled per-stream seconds in ``streams_s``).
+    with sampled per-stream seconds in ``streams_s`` and what ran the call in ``executor``).
 
     Columns (step): step, graphs, shape, predicted_s, measured_s, ratio, plan (plan hashes),
     event (re-plans, in the row of the first call that ran the new plan).

@@ -32,7 +32,13 @@ import torch.fx as fx
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import Program
 from autopar.codegen.inductor import load_warmup_job, stand_ins
-from autopar.codegen.segments import compile_segments, refine_for_segments
+from autopar.codegen.segments import (
+    SEGMENT_CALL_S,
+    compile_segments,
+    cut_segments,
+    refine_for_segments,
+    segment_makespan,
+)
 from autopar.planning.partition import make_plan
 from autopar.planning.plan import Plan, Stream
 
@@ -45,6 +51,43 @@ def segment_plan(gm: fx.GraphModule, table, tag: str, *, store=None, streams: in
     plan = make_plan(table, streams=ones, policy="heft", graph_id=tag, store=store)
     refined, _ = refine_for_segments(gm, plan, tag)
     return refined if len({s for _, s in refined.placements}) > 1 else None
+
+
+#: The segment tier is a candidate only when the cost model predicts its cut at least this
+#: many times faster than the same segments run one after another. Below that, the waits
+#: and the fusion lost at each boundary (not in the model) eat the gain, and a background
+#: compile of many segments (seconds each) is not worth its core.
+SEGMENT_MIN_GAIN = 1.2
+#: ... and only when it saves at least this much per call (a smaller saving does not pay
+#: for the wake-ups the model leaves out) with at most this many segments (each is one
+#: Inductor compile: 5-15 s cold on a 2-core box, all spent by the background process).
+SEGMENT_MIN_SAVING_S = 100e-6
+SEGMENT_MAX_COUNT = 12
+
+
+def segment_candidate(gm: fx.GraphModule, table, tag: str, *, streams: int = 2):
+    """The plan the segment tier would run, or None when the cost model rules it out: a
+    single stream, a predicted gain below :data:`SEGMENT_MIN_GAIN` or a saving below
+    :data:`SEGMENT_MIN_SAVING_S`, or more than :data:`SEGMENT_MAX_COUNT` segments. Costs
+    are the plan's simulated op times, pointwise ops at 0 (Inductor fuses them away)."""
+    if table is None or len(table) == 0:
+        return None
+    plan = segment_plan(gm, table, tag, streams=streams)
+    if plan is None:
+        return None
+    times = {k: c for k, _, _, c in plan.timeline}
+    cut = cut_segments(gm, plan, tag)
+    cost = {}
+    for seg in cut.segments:
+        for n in seg.nodes:
+            tags = getattr(n.target, "tags", ()) if n.op == "call_function" else ()
+            fused = torch.Tag.pointwise in tags
+            cost[n] = 0.0 if fused else times.get(node_key(tag, n.name), 0.0)
+    one_stream = sum(cost.values()) + SEGMENT_CALL_S
+    makespan = segment_makespan(cut, cost)
+    if len(cut.segments) > SEGMENT_MAX_COUNT or one_stream - makespan < SEGMENT_MIN_SAVING_S:
+        return None
+    return plan if one_stream >= SEGMENT_MIN_GAIN * makespan else None
 
 
 def compile_segment_tier(gm: fx.GraphModule, meta: list, plan: Plan, tag: str) -> Program:

@@ -1,15 +1,30 @@
 """Tiered compilation: training starts on the cheapest correct tier at once, and faster
 executors land later, each only if measured faster.
 
-Tier 0 is what the first call chose (the planned program, or the captured graph). Tier 1
-is the whole graph compiled by Inductor (``autopar.codegen.inductor``). With
-``background=True`` its cold compile runs in another process that fills Inductor's cache
-(:func:`~autopar.codegen.inductor.start_warmup`); when that process has finished, the
-graph's next call compiles here (a cache hit), times both tiers on the real inputs with
-their side effects undone (``runtime.measure``), and keeps the faster. The swap happens
-between two calls of the graph, under its lock; the module-level race is reset so eager,
-too, is measured against the new tier. With ``background=False`` everything happens at
-the first call (slow first step, fastest steady state from step 2).
+Tier 0 is what the first call chose (the planned program, or the captured graph). The
+later tiers are the *candidates* of :data:`TIER_CANDIDATES`, each one factory there:
+
+- ``"inductor"``: the whole graph compiled by Inductor (``autopar.codegen.inductor``);
+- ``"segments"``: the graph cut into per-stream segments, each compiled by Inductor's C++
+  wrapper and run concurrently (``autopar.codegen.segments``), offered only when the cost
+  model predicts the cut at least :data:`SEGMENT_MIN_GAIN` times faster than its segments
+  run one after another (``runtime.segment_runner.segment_candidate``).
+
+With ``background=True`` a candidate's cold compile runs in another process that fills
+Inductor's cache; once every warm-up has finished, the graph's next call compiles the
+candidates here (cache hits), times them and the current tier on the real inputs with
+their side effects undone (``runtime.measure``), and keeps the fastest; a candidate must
+take less than :data:`LAND_MARGIN` of the current tier's time to replace it.
+
+Warm-ups run one at a time, from the second step on (the first call of each graph only
+queues them). Why: on a small machine a compile process takes a core, and the first step's
+profiles (the store's entries, and every plan built from them) would measure operators on a
+machine that is half taken (2-thread OpenMP ops slow down 10-50x when a neighbour holds a
+core). For the same reason candidates are measured only once no warm-up is left running.
+
+The swap happens between two calls of the graph, under its lock; the module-level race is
+reset so eager, too, is measured against the new tier. With ``background=False`` everything
+happens at the first call (slow first step, fastest steady state from step 2).
 
 Example::
 
@@ -22,68 +37,147 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.codegen.inductor import compile_inductor, input_meta, stand_ins, start_warmup
 from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
+from autopar.runtime.segment_runner import (
+    SEGMENT_MIN_GAIN,
+    compile_segment_tier,
+    segment_candidate,
+    start_segment_warmup,
+)
 
 log = logging.getLogger("autopar")
 
-#: A new tier must take at most this fraction of the current tier's time to be swapped in
+#: A candidate must take at most this fraction of the current tier's time to be swapped in
 #: (measurement noise must not flip executors back and forth).
 LAND_MARGIN = 0.97
+
+__all__ = ["LAND_MARGIN", "SEGMENT_MIN_GAIN", "TIER_CANDIDATES", "Tiers", "default_candidates"]
+
+
+@dataclass
+class Candidate:
+    """One executor that may replace a graph's current one: how to warm Inductor's cache
+    for it in another process, and how to compile it here."""
+
+    name: str
+    warm: Callable[[], Any]  # starts the warm-up process (a Popen)
+    build: Callable[[], Any]  # compiles here (a cache hit once warmed); a Program
+    proc: Any = None  # the warm-up process while it runs
+    program: Any = None  # compiled here, waiting to be measured
+    error: str | None = None
+
+
+def _inductor(record, meta: list) -> Candidate:
+    gm, tag = record.gm, record.tag
+    return Candidate(
+        "inductor",
+        warm=lambda: start_warmup(gm, stand_ins(meta), tag),
+        build=lambda: compile_inductor(gm, stand_ins(meta), tag=tag),
+    )
+
+
+def _segments(record, meta: list) -> Candidate | None:
+    if any(getattr(m, "device", "cpu") != "cpu" for m in meta):
+        return None  # CUDA graphs: streams are codegen.cuda's job
+    plan = segment_candidate(record.gm, record.table, record.tag)
+    if plan is None:
+        return None  # one stream, or the cost model predicts no gain
+    gm, tag = record.gm, record.tag
+    return Candidate(
+        "segments",
+        warm=lambda: start_segment_warmup(gm, meta, plan, tag),
+        build=lambda: compile_segment_tier(gm, meta, plan, tag),
+    )
+
+
+#: name -> factory(record, input_meta) -> Candidate, or None when it does not apply. A new
+#: tier is one factory here (and its executor's module).
+TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
+    "inductor": _inductor,
+    "segments": _segments,
+}
+
+
+def default_candidates() -> tuple[str, ...]:
+    """``$AUTOPAR_TIERS`` (comma-separated names of :data:`TIER_CANDIDATES`), default all."""
+    text = os.environ.get("AUTOPAR_TIERS", "")
+    names = tuple(n.strip() for n in text.split(",") if n.strip()) or tuple(TIER_CANDIDATES)
+    unknown = [n for n in names if n not in TIER_CANDIDATES]
+    if unknown:
+        raise ValueError(
+            f"AUTOPAR_TIERS={text!r}: unknown tier(s) {unknown}; choose from "
+            f"{','.join(TIER_CANDIDATES)}"
+        )
+    return names
 
 
 @dataclass
 class _Tier:
+    """The candidates of one graph."""
+
     meta: list
     started: float
-    proc: Any = None  # the warm-up process (None: none, or reaped)
-    program: Any = None  # compiled here, waiting to be measured at the next call
-    done: bool = False  # landed, lost, or failed: nothing more to do
-    error: str | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    done: bool = False  # measured (landed or lost), or nothing to do
 
 
 class Tiers:
     """The background compiles of one compiled model, and their landing."""
 
-    def __init__(self, background: bool = True):
+    def __init__(self, background: bool = True, candidates: tuple[str, ...] | None = None):
         self.background = background
+        self.kinds = default_candidates() if candidates is None else tuple(candidates)
         self._tiers: dict[int, _Tier] = {}
         self.events: list[str] = []  # one line per tier that landed, lost or failed
-        weakref.finalize(self, _stop, self._tiers)
+        # Warm-ups not started yet, in first-call order.
+        self._queue: list[Candidate] = []
+        # Only the processes go to the finalizer: candidates reach back (through their
+        # records) to the pipeline that owns this object, which would then never be freed.
+        self._procs: list = []
+        weakref.finalize(self, _stop, self._procs)
 
     # -- the first call ---------------------------------------------------------------
     def start(self, record, args: list) -> None:
-        """Begin compiling ``record``'s graph with Inductor (in another process, or now)."""
-        tier = _Tier(input_meta(args), time.perf_counter())
+        """Queue ``record``'s candidates (``background=False``: compile and measure now)."""
+        meta = input_meta(args)
+        tier = _Tier(meta, time.perf_counter())
         self._tiers[id(record)] = tier
+        for kind in self.kinds:
+            try:
+                cand = TIER_CANDIDATES[kind](record, meta)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be made is none
+                log.debug("autopar: %s: no %s tier (%s)", record.tag, kind, exc)
+                cand = None
+            if cand is not None:
+                tier.candidates.append(cand)
+        if not tier.candidates:
+            tier.done = True
+            return
         if not self.background:
-            self._compile(record, tier)
+            self._build(record, tier)
             self._land(record, tier, args)
             return
-        try:
-            tier.proc = start_warmup(record.gm, stand_ins(tier.meta), record.tag)
-            _LIVE.add(tier.proc)
-        except Exception as exc:  # noqa: BLE001 - no warm-up: compile at the next call
-            log.debug("autopar: %s: no background warm-up (%s)", record.tag, exc)
+        self._queue.extend(tier.candidates)
 
     # -- every later call ---------------------------------------------------------------
     def maybe_land(self, record, args: list) -> None:
-        """If ``record``'s background compile is ready, measure it and maybe swap it in."""
+        """If every background compile is done, measure ``record``'s candidates and maybe
+        swap the fastest in."""
+        self._launch_next()
         tier = self._tiers.get(id(record))
-        if tier is None or tier.done:
-            return
-        if tier.proc is not None and tier.proc.poll() is None:
-            return  # still compiling elsewhere
+        if tier is None or tier.done or self._queue or self._running():
+            return  # still compiling elsewhere: measuring now would time a shared machine
         self._reap(record, tier)
-        if tier.program is None and not tier.done:
-            self._compile(record, tier)
-        if not tier.done:
-            self._land(record, tier, args)
+        self._build(record, tier)
+        self._land(record, tier, args)
 
     def pending(self) -> int:
         return sum(not t.done for t in self._tiers.values())
@@ -92,65 +186,96 @@ class Tiers:
         """Block until every background compile has finished and been compiled here (they
         are measured and swapped at each graph's next call). True when nothing is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # the queued warm-ups, one after another
+            self._launch_next()
+            live = [p for p in self._procs if p.poll() is None]
+            if not live:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                live[0].wait(left)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                return False
         for record in records:
             tier = self._tiers.get(id(record))
-            if tier is None or tier.done:
-                continue
-            if tier.proc is not None:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    tier.proc.wait(left)
-                except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
-                    return False
+            if tier is not None and not tier.done:
                 self._reap(record, tier)
-            if tier.program is None and not tier.done:
-                self._compile(record, tier)
+                self._build(record, tier)
         return True
 
     # -- mechanics ----------------------------------------------------------------------
-    def _reap(self, record, tier: _Tier) -> None:
-        proc, tier.proc = tier.proc, None
-        if proc is None:
+    def _launch_next(self) -> None:
+        """Start the next queued warm-up if none is running (one compile process at a time)."""
+        if not self._queue or self._running():
             return
-        _LIVE.discard(proc)
-        if proc.returncode:
-            err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
-            last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
-            log.debug("autopar: %s: warm-up process failed: %s", record.tag, last)
-        if proc.stderr:
-            proc.stderr.close()
-
-    def _compile(self, record, tier: _Tier) -> None:
+        cand = self._queue.pop(0)
         try:
-            tier.program = compile_inductor(record.gm, stand_ins(tier.meta), tag=record.tag)
-        except Exception as exc:  # noqa: BLE001 - the current tier simply stays
-            tier.done, tier.error = True, f"{type(exc).__name__}: {exc}"
-            self._event(record, f"inductor could not compile it ({tier.error}); tier kept")
+            cand.proc = cand.warm()
+            self._procs.append(cand.proc)
+            _LIVE.add(cand.proc)
+        except Exception as exc:  # noqa: BLE001 - no warm-up: compiled cold when measured
+            log.debug("autopar: no background warm-up for %s (%s)", cand.name, exc)
+
+    def _running(self) -> bool:
+        return any(p.poll() is None for p in self._procs)
+
+    def _reap(self, record, tier: _Tier) -> None:
+        for cand in tier.candidates:
+            proc, cand.proc = cand.proc, None
+            if proc is None:
+                continue
+            _LIVE.discard(proc)
+            if proc in self._procs:
+                self._procs.remove(proc)
+            if proc.returncode:
+                err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
+                last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+                log.debug("autopar: %s: %s warm-up failed: %s", record.tag, cand.name, last)
+            if proc.stderr:
+                proc.stderr.close()
+
+    def _build(self, record, tier: _Tier) -> None:
+        for cand in tier.candidates:
+            if cand.program is not None or cand.error is not None:
+                continue
+            try:
+                cand.program = cand.build()
+            except Exception as exc:  # noqa: BLE001 - the current tier simply stays
+                cand.error = f"{type(exc).__name__}: {exc}"
+                self._event(record, f"{cand.name} could not compile it ({cand.error}); "
+                                    "tier kept")  # fmt: skip
 
     def _land(self, record, tier: _Tier, args: list) -> None:
         tier.done = True
-        current, prog = record.runner, tier.program
+        ready = {c.name: c.program for c in tier.candidates if c.program is not None}
+        if not ready:
+            return
+        current = record.runner
         if current is None:
             current = lambda a, f=record.gm.forward: f(*a)  # noqa: E731
+        runners = {"current": current}
+        runners.update({k: (lambda a, f=p.fn: f(*a)) for k, p in ready.items()})
         guard = SideEffectGuard(args, written_inputs(record.gm))
-        best = time_candidates({"current": current, "inductor": lambda a: prog.fn(*a)},
-                               args, guard)  # fmt: skip
-        cur, ind = best.get("current", float("inf")), best.get("inductor", float("inf"))
+        best = time_candidates(runners, args, guard)
+        cur = best.get("current", float("inf"))
+        name = min(ready, key=lambda k: best.get(k, float("inf")))
         waited = time.perf_counter() - tier.started
+        times = ", ".join(f"{k} {best.get(k, float('inf')) * 1e3:.3f} ms" for k in ready)
         verdict = (
-            f"inductor {ind * 1e3:.3f} ms vs {record.executor} {cur * 1e3:.3f} ms "
+            f"{times} vs {record.executor} {cur * 1e3:.3f} ms "
             f"(ready {waited:.1f} s after the first call)"
         )
-        if ind < LAND_MARGIN * cur:
+        if best.get(name, float("inf")) < LAND_MARGIN * cur:
+            prog = ready[name]
             with record.lock:
                 fn = prog.fn
                 record.runner = lambda a: fn(*a)
-                record.advance("tier", waited, verdict + ": landed", program=prog,
-                               executor="inductor")  # fmt: skip
-            self._event(record, verdict + ": landed")
+                record.advance("tier", waited, f"{verdict}: {name} landed", program=prog,
+                               executor=name)  # fmt: skip
+            self._event(record, f"{verdict}: {name} landed")
         else:
-            record.advance("tier", waited, verdict + ": kept " + record.executor)
-            self._event(record, verdict + f": kept {record.executor}")
+            record.advance("tier", waited, f"{verdict}: kept {record.executor}")
+            self._event(record, f"{verdict}: kept {record.executor}")
 
     def _event(self, record, text: str) -> None:
         line = f"{record.tag}: {text}"
@@ -161,10 +286,10 @@ class Tiers:
 _LIVE: set = set()  # warm-up processes still running, stopped at exit
 
 
-def _stop(tiers: dict) -> None:
-    for tier in tiers.values():
-        if tier.proc is not None and tier.proc.poll() is None:
-            tier.proc.kill()
+def _stop(procs: list) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @atexit.register
