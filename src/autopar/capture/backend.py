@@ -15,9 +15,16 @@ Example::
     >>> [r.tag for r in cap.records]
     ['g0.fw', 'g0.bw']
 
-Failure policy: if capturing or preparing a graph fails, that graph runs eagerly (the
-Dynamo graph, or the unmodified aten graph) after one ``FallbackWarning`` naming the node and
-the user's source line. Results are never silently wrong.
+Layouts: every captured aten graph goes through :func:`autopar.capture.layout.robust_views`
+first, so a ``view`` that relied on a fake kernel's stride prediction cannot fail on the
+real kernel's layout (BatchNorm on a transposed input, dropout's backward).
+
+Failure policy: if capturing or preparing a graph fails, that graph runs as Dynamo captured
+it (eagerly) or as AOTAutograd captured it (the aten graph, op by op), with what the failed
+attempt did to the inputs and the random generators undone first. One ``FallbackWarning``,
+naming the node and the user's source line, comes only *after* that run succeeded: a warning
+that promises correct results is never followed by an exception. When the fallback fails
+too, its exception propagates, with a note naming the graph and the node.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +42,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.errors import FallbackWarning, warn_fallback
+from autopar.capture.analysis import buffer_analysis
+from autopar.capture.layout import robust_views
+from autopar.errors import FallbackWarning, describe_node, node_source, warn_fallback
 
 _log = logging.getLogger(__name__)
 
@@ -188,21 +198,113 @@ class LazyGraph:
                 record.calls += 1
                 return record.runner(args)
             args = list(args)
+            undo = _SideEffects(record.gm, args)
             try:
                 out, runner = self._prepare(record, args)
             except Exception as exc:  # noqa: BLE001 - any failure falls back, never wrong results
-                record.advance("fallback", fallback=f"{type(exc).__name__}: {exc}")
-                node = getattr(exc, "node", None)
-                warn_fallback(
-                    f"could not plan graph {record.tag} ({type(exc).__name__}: {exc})",
-                    node,
-                    "Set AUTOPAR_DEBUG_DIR to keep the graph for a bug report.",
-                )
-                fn = record.gm.forward
-                out, runner = fn(*args), (lambda a: fn(*a))
+                out, runner = self._fall_back(args, exc, undo)
             record.runner = runner
             record.calls += 1
             return out
+
+    def _fall_back(self, args: list, exc: Exception, undo: _SideEffects):
+        """Run the graph as captured after ``prepare`` raised ``exc``; warn once it worked.
+
+        ``prepare`` may have run part of the graph for real before it failed (the profiler
+        runs node by node): ``undo`` puts back the written inputs and the generators first,
+        so the fallback's BatchNorm statistics and dropout masks are eager's."""
+        record = self.record
+        gm = record.gm
+        reason = f"{type(exc).__name__}: {exc}"
+        undo.restore()
+        fn = gm.forward
+        try:
+            out = fn(*args)
+        except Exception as again:
+            # No warning was given: one promising correct results must not precede this.
+            node = failing_node(again, gm)
+            where = f" at node {describe_node(node)}" if node is not None else ""
+            note = (
+                f"autopar: graph {record.tag} also failed when run as captured{where}, "
+                f"after preparing it failed ({reason.splitlines()[0]}). Set "
+                "AUTOPAR_DEBUG_DIR to keep the graph for a bug report."
+            )
+            if hasattr(again, "add_note"):  # Python 3.11+
+                again.add_note(note)
+            raise
+        record.advance("fallback", fallback=reason)
+        node = getattr(exc, "node", None) or failing_node(exc, gm)
+        warn_fallback(
+            f"could not plan graph {record.tag} ({reason}){_graph_source(gm, node)}",
+            node,
+            "Set AUTOPAR_DEBUG_DIR to keep the graph for a bug report.",
+        )
+        return out, (lambda a: fn(*a))
+
+
+class _SideEffects:
+    """What a first call may change before it fails: the inputs the graph writes in place
+    (BatchNorm statistics; from :func:`autopar.capture.analysis.buffer_analysis`) and the
+    random generators of the devices involved. ``restore`` puts them back as they were."""
+
+    def __init__(self, gm: fx.GraphModule, args: list):
+        nodes = list(gm.graph.nodes)
+        _, writes = buffer_analysis(nodes)
+        written = {b for bufs in writes.values() for b in bufs}
+        places = [n for n in nodes if n.op == "placeholder"]
+        with torch.no_grad():
+            self.inputs = [
+                (a, a.clone())
+                for n, a in zip(places, args, strict=False)
+                if n in written and isinstance(a, torch.Tensor)
+            ]
+        self.cuda = sorted({a.device.index or 0 for a in args
+                            if isinstance(a, torch.Tensor) and a.is_cuda})  # fmt: skip
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for a, saved in self.inputs:
+                a.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        for d, state in zip(self.cuda, self.cuda_rng, strict=True):
+            torch.cuda.set_rng_state(state, d)
+
+
+def failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
+    """The node of ``gm`` that raised ``exc``, or None: ``exc.node`` when set, the node an
+    ``fx.Interpreter`` names ("While executing %name"), or the line of ``gm``'s generated
+    code in the traceback (``gm._lineno_map``: line after ``def forward`` -> node index,
+    read as Dynamo reads it)."""
+    node = getattr(exc, "node", None)
+    if isinstance(node, fx.Node):
+        return node
+    nodes = list(gm.graph.nodes)
+    m = re.search(r"While executing %(\w+)", str(exc))
+    if m:
+        hit = next((n for n in nodes if n.name == m.group(1)), None)
+        if hit is not None:
+            return hit
+    code = getattr(getattr(type(gm), "forward", None), "__code__", None)
+    lines = getattr(gm, "_lineno_map", None) or {}
+    tb, found = exc.__traceback__, None
+    while tb is not None and code is not None:
+        if tb.tb_frame.f_code.co_filename == code.co_filename:
+            found = lines.get(tb.tb_lineno - code.co_firstlineno)
+        tb = tb.tb_next
+    return nodes[found] if isinstance(found, int) and 0 <= found < len(nodes) else None
+
+
+def _graph_source(gm: fx.GraphModule, node: fx.Node | None) -> str:
+    """``" in graph from <file:line in fn>"`` when the failing node is unknown or has no
+    source line, so a warning always names a line of the user's code when one is known."""
+    if node is not None and node_source(node) != "unknown":
+        return ""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and node_source(n) != "unknown":
+            return f" in the graph from {node_source(n)}"
+    return ""
 
 
 class Capture:
@@ -218,6 +320,9 @@ class Capture:
         self.on_call = on_call
         self.graph_passes = graph_passes
         self.records: list[GraphRecord] = []
+        # Per Dynamo graph k: its nodes' source lines, and those of AOT's forward nodes by
+        # seq_nr (a backward node carries the seq_nr of the forward op it differentiates).
+        self._sources: dict[int, _Sources] = {}
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
@@ -226,6 +331,10 @@ class Capture:
 
     def _compiler(self, tag: str, phase: str, t0: float, group: int):
         def compile_graph(gm: fx.GraphModule, example_inputs):
+            sources = self._sources.get(group)
+            if sources is not None:
+                sources.attach(gm)
+            _make_layout_robust(gm, tag, phase)
             for node in gm.graph.nodes:
                 node.meta["autopar.key"] = node_key(tag, node.name)
                 node.meta["autopar.phase"] = phase
@@ -244,6 +353,7 @@ class Capture:
         k = next(self._counter)
         t0 = time.perf_counter()
         _run_graph_passes(self.graph_passes, gm, k)
+        self._sources[k] = _Sources(gm)
         try:
             compiler = aot_autograd(
                 fw_compiler=self._compiler(f"g{k}.fw", "forward", t0, k),
@@ -253,13 +363,77 @@ class Capture:
             return compiler(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
             node = _first_call_node(gm)
-            warn_fallback(
-                f"AOTAutograd could not trace Dynamo graph {k} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''})",
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return _WarnOnceItRan(
+                gm.forward,
+                f"AOTAutograd could not trace Dynamo graph {k} ({reason})",
                 node,
                 "Report the op, or run this part outside the compiled model.",
             )
-            return gm.forward
+
+
+class _WarnOnceItRan:
+    """The Dynamo graph run as it is (eagerly), warning after its first call returned: a
+    warning that results stay correct only once they did (an error of the graph itself
+    propagates as it would in eager, with no warning before it)."""
+
+    def __init__(self, fn: Callable, what: str, node: fx.Node | None, fix: str):
+        self.fn, self.what, self.node, self.fix = fn, what, node, fix
+        self.warned = False
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        if not self.warned:
+            self.warned = True
+            warn_fallback(self.what, self.node, self.fix)
+        return out
+
+
+class _Sources:
+    """Source lines for AOTAutograd's aten nodes, which torch 2.13 does not give a
+    ``stack_trace`` (only ``from_node``, the Dynamo node they were traced from, and
+    ``seq_nr``): copied from the Dynamo graph, so ``errors.node_source`` (fallback warnings,
+    the profile table's ``source`` column) names the user's line."""
+
+    def __init__(self, dynamo_gm: fx.GraphModule):
+        self.graph_id = id(dynamo_gm.graph)
+        self.by_name = {n.name: n.meta["stack_trace"] for n in dynamo_gm.graph.nodes
+                        if n.meta.get("stack_trace")}  # fmt: skip
+        self.by_seq: dict[int, str] = {}
+
+    def attach(self, gm: fx.GraphModule) -> None:
+        """Set ``node.meta["stack_trace"]`` where it is missing and can be found."""
+        for n in gm.graph.nodes:
+            trace = n.meta.get("stack_trace") or self._origin(n)
+            seq = n.meta.get("seq_nr")
+            if trace is None and seq is not None:
+                trace = self.by_seq.get(seq)  # a backward node: its forward op's line
+            if trace is None:
+                continue
+            n.meta["stack_trace"] = trace
+            if seq is not None:
+                self.by_seq.setdefault(seq, trace)
+
+    def _origin(self, n: fx.Node) -> str | None:
+        pending = list(n.meta.get("from_node") or ())
+        while pending:  # the provenance chain, nearest pass first
+            src = pending.pop(0)
+            name = getattr(src, "name", None)
+            if getattr(src, "graph_id", None) == self.graph_id and name in self.by_name:
+                return self.by_name[name]
+            pending.extend(getattr(src, "from_node", None) or ())
+        return None
+
+
+def _make_layout_robust(gm: fx.GraphModule, tag: str, phase: str) -> None:
+    """:func:`autopar.capture.layout.robust_views` on one aten graph. Best effort: each of
+    its edits is valid alone, so a failure leaves a graph that runs as AOTAutograd made it."""
+    try:
+        n = robust_views(gm, phase)
+        if n:
+            _log.debug("%s: %d layout-sensitive view(s) made reshapes", tag, n)
+    except Exception:  # noqa: BLE001 - a robustness pass only: never break capture
+        _log.debug("%s: robust_views failed; graph unchanged", tag, exc_info=True)
 
 
 def _run_graph_passes(passes: tuple[GraphPass, ...], gm: fx.GraphModule, k: int) -> None:
@@ -277,7 +451,9 @@ def _run_graph_passes(passes: tuple[GraphPass, ...], gm: fx.GraphModule, k: int)
 
 
 def _first_call_node(gm: fx.GraphModule) -> fx.Node | None:
-    return next((n for n in gm.graph.nodes if n.op in ("call_function", "call_module")), None)
+    """The first call of the graph, preferring one with a known source line to name."""
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module")]
+    return next((n for n in calls if node_source(n) != "unknown"), calls[0] if calls else None)
 
 
 __all__ = [
@@ -289,6 +465,7 @@ __all__ = [
     "Provenance",
     "LazyGraph",
     "OnCall",
+    "failing_node",
     "node_key",
     "run_serially",
 ]
