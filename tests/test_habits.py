@@ -142,3 +142,35 @@ def test_copy_of_an_in_memory_model_profiles_in_memory():
     copied = copy.deepcopy(cm)
     store = copied._autopar_options.store
     assert isinstance(store, ProfileStore) and store.path is None
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=None):
+        return self.lin(x) * scale
+
+
+def test_float64_keyword_tensor_trains_like_eager_without_a_warning():
+    """Dynamo re-traces a float scalar input as a tensor (``TensorifyScalarRestartAnalysis``):
+    that is Dynamo's control flow, not a failure to fall back on."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _Scaled()
+    eager = copy.deepcopy(model)
+    cmodel = _compile(model)
+    x = torch.randn(2, 4)
+    scale = torch.tensor(2.0, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = cmodel(x, scale=scale)
+    ref = eager(x, scale=scale)
+    assert out.dtype == ref.dtype
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

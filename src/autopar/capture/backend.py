@@ -362,6 +362,12 @@ class Capture:
             )
             return compiler(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
+            from torch._dynamo.exc import RestartAnalysis
+
+            if isinstance(exc, RestartAnalysis):
+                # Dynamo's own control flow (e.g. a float scalar input to be traced as a
+                # tensor): it re-traces and calls this backend again. Not a failure.
+                raise
             node = _first_call_node(gm)
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return _WarnOnceItRan(
