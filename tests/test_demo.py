@@ -1,14 +1,73 @@
-"""``autopar demo``: a tiny run finishes, the losses agree and every promised file is written."""
+"""``autopar demo``: every model trains a few tiny steps, the losses agree, the final screen
+names the chosen executor of every graph and every promised file is written; the decisions
+are read from the graphs' provenance; ``autopar bench-report`` rewrites README's table."""
 
 from __future__ import annotations
 
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
 import torch
 
+import autopar.tools.demo as demo
+from autopar.tools.bench_report import README_BEGIN, README_END, readme_table, update_readme
 from autopar.tools.cli import main
-from autopar.tools.demo import VOCAB, CharLM, compare_curves, load_corpus, make_batches
+from autopar.tools.demo_models import (
+    VOCAB,
+    CharLM,
+    bert_available,
+    compare_curves,
+    load_corpus,
+    make_batches,
+)
+from autopar.tools.demo_report import Watch, final_screen, graph_decisions
 
-TINY = ["--hidden", "16", "--layers", "1", "--emb", "8", "--seq-len", "6", "--batch", "4"]
-TINY += ["--steps", "4", "--corpus-kb", "8", "--streams", "2", "--no-progress"]
+
+def _run(tmp_path, capsys, *extra) -> tuple[int, str]:
+    out = tmp_path / "demo"
+    rc = main(["demo", "--tiny", "--no-progress", "--streams", "2", "--out", str(out),
+               "--store", str(tmp_path / "store.json"), *extra])  # fmt: skip
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["charlstm", "towers", "bert"])
+def test_each_model_trains_and_the_final_screen_names_every_graphs_executor(
+    model, tmp_path, capsys
+):
+    if model == "bert" and not bert_available():
+        pytest.skip("transformers is not installed")
+    rc, text = _run(tmp_path, capsys, "--model", model)
+    assert rc == 0, text  # 0: the eager and autopar loss curves agree
+    screen = text[text.index("what the compiler decided") :]
+    tags = re.findall(r"^(g\d+\.(?:fw|bw)) \(", screen, flags=re.M)
+    assert tags and {"g0.fw", "g0.bw"} <= set(tags), screen
+    for tag in tags:  # each graph: its choice, the reason, prediction vs measurement, tiers
+        block = screen[screen.index(f"{tag} (") :]
+        assert re.match(rf"{re.escape(tag)} \(\w+, \d+ ops\)\s+chosen: (PLAN|INDUCTOR|CAPTURED)",
+                        block), block  # fmt: skip
+        for word in ("candidates", "why", "predicted", "measured", "tiers"):
+            assert word in block.split("\n\n")[0], (tag, word)
+    assert "AGREE" in screen and "step time" in screen
+    out = tmp_path / "demo"
+    for name in ("timeline.png", "trace.json", "loss.png", "step_times.png", "program.py"):
+        assert (out / name).stat().st_size > 0, name
+        assert str(out / name) in screen, name  # the final screen names every file
+    trace = json.loads((out / "trace.json").read_text())
+    procs = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert any(p.startswith("predicted: g0.fw") for p in procs), procs
+    assert any(p.startswith("measured: g0.fw") for p in procs), procs
+    flat = " ".join(screen.split())  # the screen wraps its lines
+    assert "torch.compile not timed (add --torch-compile" in flat  # and how to include it
+
+
+def test_bert_without_transformers_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "bert_available", lambda: False)
+    rc = main(["demo", "--model", "bert", "--tiny", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and "pip install transformers" in err
 
 
 def test_corpus_is_deterministic_ascii_stdlib_source():
@@ -34,30 +93,92 @@ def test_cell_and_lstm_models_give_logits_over_the_vocabulary():
         assert CharLM(hidden=8, layers=2, emb=4, cell=cell)(x).shape == (3, 7, VOCAB)
 
 
-def test_tiny_demo_runs_and_writes_its_files(tmp_path, capsys):
-    out = tmp_path / "demo"
-    rc = main(["demo", *TINY, "--out", str(out), "--store", str(tmp_path / "store.json")])
-    text = capsys.readouterr().out
-    assert rc == 0, text  # 0: the eager and autopar loss curves agree
-    for word in ("AGREE", "speedup", "predicted"):  # the output explains itself
-        assert word in text, word
-    for name in ("loss.png", "losses.csv", "program.py", "profile.csv", "plan.json"):
-        assert (out / name).stat().st_size > 0, name
-    assert list(out.glob("gantt*.png"))
-    assert "def " in (out / "program.py").read_text()
-    assert str(out) in text  # says where the files are
-
-
-def test_tiny_demo_with_nn_lstm(tmp_path, capsys):
-    out = tmp_path / "demo"
-    args = ["demo", *TINY, "--nn-lstm", "--out", str(out), "--store", str(tmp_path / "s.json")]
-    assert main(args) == 0, capsys.readouterr().out
-    assert (out / "loss.png").exists()
-
-
 def test_compare_curves_allows_growing_rounding_drift_but_not_a_different_start():
     same_start = [3.0] * 10 + [2.0] * 30
     drifted = [3.0] * 10 + [2.0 + 0.01 * (-1) ** i for i in range(30)]
     assert compare_curves(same_start, drifted, tol=0.05)[0]
     assert not compare_curves(same_start, [x + 0.01 for x in same_start], tol=0.05)[0]
     assert not compare_curves(same_start, [3.0] * 10 + [2.2] * 30, tol=0.05)[0]
+
+
+# -- decisions read from provenance stamps (Inductor is off in the tests: stamps made here) ----
+def _unit(tag, executor, stamps, policy="serial"):
+    placements = (("a", 0), ("b", 1 if policy != "serial" else 0))
+    plan = SimpleNamespace(policy=policy, predicted_step_time=2e-3, serial_time=3e-3,
+                           placements=placements)  # fmt: skip
+    gm = SimpleNamespace(graph=SimpleNamespace(nodes=[SimpleNamespace(op="call_function")] * 3))
+    prov = tuple(SimpleNamespace(stage=s, seconds=1.0, note=n) for s, n in stamps)
+    return SimpleNamespace(tag=tag, phase="forward", gm=gm, plan=plan, provenance=prov,
+                           executor=executor, fallback=None)  # fmt: skip
+
+
+def test_decisions_name_candidates_choice_reason_and_tier_step():
+    landed = ("inductor 1.000 ms vs plan 2.500 ms (ready 12.0 s after the first call): "
+              "inductor landed")
+    kept = "inductor 4.000 ms vs plan 3.000 ms (ready 14.0 s after the first call): kept plan"
+    first = "measured at first call: heft on 2 streams 2.000 ms vs serial 3.000 ms"
+    ex = SimpleNamespace(
+        graphs=(_unit("g0.fw", "inductor", [("measure", first), ("tier", landed)], "heft"),
+                _unit("g0.bw", "plan", [("tier", kept)])),
+        steps={"([4, 8] float32; train)": ("compiled", "median step: compiled 1 vs eager 2")},
+        tiers=(), compile_seconds=1.5, graph_breaks=0,
+    )  # fmt: skip
+    watch = Watch(inductor=True)
+    watch.tiers = {"g0.fw": (41, 13.2), "g0.bw": (50, 15.0)}
+    fw, bw = graph_decisions(ex, None, watch)
+    assert fw.chosen == "inductor" and "replaced it" in fw.why
+    assert [c[:2] for c in fw.candidates] == [("heft plan on 2 streams", 2.0),
+                                              ("serial plan", 3.0), ("inductor", 1.0),
+                                              ("plan (running then)", 2.5)]  # fmt: skip
+    assert any("step 42" in t and "inductor landed" in t for t in fw.tiers)
+    assert bw.chosen == "plan (serial plan)" and "not faster by the landing margin" in bw.why
+    assert any("step 51" in t and "kept plan" in t for t in bw.tiers)
+    assert watch._settled(ex)  # every tier decided and the race has its verdict
+    info = {"model": "m", "agree": True, "agreement": "ok", "window": "steps 2-3", "out": "o",
+            "times": {"eager": (2.0, 2), "autopar": (1.0, 2)}, "files": {"loss plot": "o/l"}}
+    screen = final_screen(ex, [fw, bw], info)
+    assert "chosen: INDUCTOR" in screen and "chosen: PLAN" in screen
+    assert "autopar 1.00 ms, 2.00x eager" in screen
+
+
+# -- README's results table ------------------------------------------------------------------------
+def _bench_doc():
+    c = {"median_step_ms": 10.0, "speedup_vs_eager": 1.0, "speedup_vs_best": 1.0,
+         "first_step_s": 0.1, "error": None}  # fmt: skip
+    return {
+        "meta": {"time": "2026-11-30 09:12:53", "platform": "Linux-6.1-x86_64-with-glibc2.36",
+                 "cpu_count": 2, "torch": "2.13.0+cpu", "python": "3.11.7", "steps": 20,
+                 "warmup": 3, "optimizer": "sgd", "intra_op_threads": 2,
+                 "inductor_cache": "fresh"},
+        "results": [{
+            "model": "towers", "description": "multi-tower MLP: 4 towers", "wall_s": 60.0,
+            "machine_before": {"load1": 1.25}, "machine_after": {"load1": 2.5}, "noisy": None,
+            "contenders": {"eager": c, "autopar": {**c, "speedup_vs_eager": 1.5}},
+            "autopar": {"graphs": [{"executor": "inductor"}, {"executor": "plan"}],
+                        "race": [{"verdict": "compiled"}]},
+        }],
+    }  # fmt: skip
+
+
+def test_readme_table_carries_date_machine_and_load_per_row():
+    table = readme_table(_bench_doc(), "b.json")
+    row = next(line for line in table.splitlines() if line.startswith("| multi-tower"))
+    assert "2026-11-30 09:11" in row and "2-CPU x86_64" in row and "load 1.25 / 2.50" in row
+    assert "| 1.50x |" in row and "inductor, plan" in row and "| - |" in row  # no torch.compile
+
+
+def test_bench_report_rewrites_only_the_marked_section(tmp_path, capsys):
+    readme, js = tmp_path / "README.md", tmp_path / "bench.json"
+    js.write_text(json.dumps(_bench_doc()))
+    readme.write_text(f"intro\n{README_BEGIN}\nold table\n{README_END}\noutro\n")
+    assert main(["bench-report", str(js), "--readme", str(readme), "--check"]) == 1
+    assert main(["bench-report", str(js), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{README_END}\noutro\n")
+    assert "old table" not in text and "multi-tower MLP (`towers`)" in text
+    assert not update_readme(str(readme), _bench_doc(), str(js))  # idempotent
+    assert main(["bench-report", str(js), "--readme", str(readme), "--check"]) == 0
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit) as exc:  # a usage error: exit 2, one line
+        main(["bench-report", str(js), "--readme", str(readme)])
+    assert exc.value.code == 2 and "has no section between" in capsys.readouterr().err

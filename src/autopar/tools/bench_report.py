@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import os
 import platform
+import re
+import textwrap
 import time
 from typing import Any
 
@@ -303,3 +305,119 @@ def meta(args, default_threads: int) -> dict[str, Any]:
         "inductor_cache": "warm" if getattr(args, "warm_cache", False) else "fresh",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+# -- the README's results table --------------------------------------------------------------------
+#: The marker comments around the generated section of README.md.
+README_BEGIN = "<!-- autopar bench-report: begin (generated from a bench JSON; edits are lost) -->"
+README_END = "<!-- autopar bench-report: end -->"
+
+
+def _machine(m: dict[str, Any]) -> str:
+    """``Linux x86_64, 2 CPUs`` from the run's ``meta`` (platform string and CPU count)."""
+    plat = str(m.get("platform", "?"))
+    arch = next((a for a in ("x86_64", "aarch64", "arm64", "AMD64") if a in plat), "")
+    return f"{plat.split('-')[0]} {arch}".strip() + f", {m.get('cpu_count', '?')} CPUs"
+
+
+def _started(doc: dict[str, Any]) -> list[str]:
+    """When each model's run started, ``YYYY-MM-DD HH:MM``: its own ``time`` field when the
+    bench wrote one, else the run's end time (``meta.time``) minus the wall times of it and
+    the models after it (the bench runs models one after another)."""
+    results = doc["results"]
+    try:
+        end = time.mktime(time.strptime(doc["meta"]["time"], "%Y-%m-%d %H:%M:%S"))
+    except (KeyError, ValueError):
+        return [str(r.get("time", "?"))[:16] for r in results]
+    out, t = [], end
+    for r in reversed(results):
+        t -= float(r.get("wall_s") or 0.0)
+        out.append(str(r["time"])[:16] if r.get("time") else time.strftime("%Y-%m-%d %H:%M",
+                                                                           time.localtime(t)))
+    return out[::-1]
+
+
+def _cell(contenders: dict[str, Any], name: str, key: str, spec: str, unit: str) -> str:
+    r = contenders.get(name)
+    if r is None:
+        return "-"
+    if r["error"]:
+        return "failed"
+    return "-" if r.get(key) is None else format(r[key], spec) + unit
+
+
+def readme_table(doc: dict[str, Any], source: str) -> str:
+    """The README's results section (markdown) from a bench JSON document (``doc``, as
+    ``autopar bench --out`` writes it; ``source`` is its path, quoted in the text). Each
+    row says when it was measured, on what, and the load average before / after its model.
+
+    Example::
+
+        >>> doc = json.load(open("results/bench-full/bench.json"))      # doctest: +SKIP
+        >>> print(readme_table(doc, "results/bench-full/bench.json"))   # doctest: +SKIP
+    """
+    m = doc["meta"]
+    derived = not all(r.get("time") for r in doc["results"])
+    intro = (
+        f"Training step (zero_grad + forward + loss + backward + {m.get('optimizer', '?').upper()} "
+        f"step), median of {m.get('steps', '?')} interleaved steps after {m.get('warmup', '?')} "
+        f"warm-up; ratio = eager time / contender time (> 1 is faster). Measured by `autopar "
+        f"bench` on {_machine(m)}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}, "
+        f"{m.get('intra_op_threads', '?')} intra-op threads, Inductor cache "
+        f"{m.get('inductor_cache', '?')}; table generated from `{source}` by "
+        f"`autopar bench-report {source} --readme README.md`."
+        + (" A row's time is when its model started: the run's end minus the wall times of "
+           "the models from it on." if derived else "")
+    )  # fmt: skip
+    lines = [
+        textwrap.fill(intro, 92, break_on_hyphens=False, break_long_words=False),
+        "",
+        "| model | eager step | torch.compile | autopar | autopar vs best | 1st step: "
+        "torch.compile / autopar | executors (fw, bw) | race | measured (date, machine, load "
+        "before / after) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    machine = f"{m.get('cpu_count', '?')}-CPU {_machine(m).split(',')[0].split(' ')[-1]}"
+    for res, started in zip(doc["results"], _started(doc), strict=True):
+        c, a = res["contenders"], res["autopar"]
+        load = (f"{_fmt((res.get('machine_before') or {}).get('load1'), '.2f', '?')} / "
+                f"{_fmt((res.get('machine_after') or {}).get('load1'), '.2f', '?')}")  # fmt: skip
+        desc = re.split(r"[:,]", res["description"])[0] + f" (`{res['model']}`)"
+        desc += "*" if res.get("noisy") else ""
+        lines.append(
+            f"| {desc} | {_cell(c, 'eager', 'median_step_ms', '.2f', ' ms')} | "
+            f"{_cell(c, 'torch.compile', 'speedup_vs_eager', '.2f', 'x')} | "
+            f"{_cell(c, 'autopar', 'speedup_vs_eager', '.2f', 'x')} | "
+            f"{_cell(c, 'autopar', 'speedup_vs_best', '.2f', 'x')} | "
+            f"{_cell(c, 'torch.compile', 'first_step_s', '.1f', ' s')} / "
+            f"{_cell(c, 'autopar', 'first_step_s', '.1f', ' s')} | "
+            f"{', '.join(g['executor'] for g in a.get('graphs', [])) or '-'} | "
+            f"{race_brief(a.get('race', []))} | {started}, {machine}, load {load} |"
+        )
+    if any(res.get("noisy") for res in doc["results"]):
+        lines.append("")
+        lines.append("\\* noisy: another process disturbed this model's run (see the JSON).")
+    return "\n".join(lines)
+
+
+def update_readme(path: str, doc: dict[str, Any], source: str, check: bool = False) -> bool:
+    """Rewrite the part of the file ``path`` between :data:`README_BEGIN` and
+    :data:`README_END` with :func:`readme_table`. Returns True when the text changed (with
+    ``check``: the file is left as it is). Raises ``ValueError`` when a marker is missing.
+
+    Example::
+
+        >>> update_readme("README.md", doc, "results/bench-full/bench.json")  # doctest: +SKIP
+        True
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{path} has no section between the lines {README_BEGIN!r} and "
+                         f"{README_END!r}: add them where the table belongs")  # fmt: skip
+    new = text[: begin + len(README_BEGIN)] + "\n" + readme_table(doc, source) + "\n" + text[end:]
+    if new != text and not check:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text

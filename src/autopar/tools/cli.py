@@ -1,11 +1,12 @@
-"""The ``autopar`` command line: profile, plan, bench, demo.
+"""The ``autopar`` command line: profile, plan, bench, bench-report, demo.
 
 Examples::
 
     autopar profile autopar.tools.zoo:inception --input-shape 8,3,16,16 --out inception.json
     autopar plan autopar.tools.zoo:towers --input-shape 32,64 --streams 2 --gantt plan.png
     autopar bench --models inception,towers --steps 20
-    autopar demo --steps 60
+    autopar bench-report results/bench-full/bench.json --readme README.md
+    autopar demo --model towers
     autopar --version
 
 A mistake on the command line (a bad option, a model that does not run on the given shapes)
@@ -209,7 +210,51 @@ def cmd_plan(args) -> int:
 def cmd_bench(args) -> int:
     from autopar.tools.bench import main as bench_main
 
-    return bench_main(args)
+    if args.readme and not args.out:
+        raise UsageError("--readme rewrites the README from the bench JSON: give --out too")
+    status = bench_main(args)
+    if args.readme:
+        _rewrite_readme(args.out, args.readme)
+    return status
+
+
+def cmd_bench_report(args) -> int:
+    from autopar.tools.bench_report import readme_table
+
+    if not args.readme:
+        print(readme_table(_bench_doc(args.json), args.json))
+        return 0
+    changed = _rewrite_readme(args.json, args.readme, check=args.check)
+    return 1 if args.check and changed else 0
+
+
+def _bench_doc(path: str) -> dict:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"no bench JSON at {path} (write one with autopar bench --out)") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(doc, dict) or "meta" not in doc or "results" not in doc:
+        raise UsageError(f"{path} is not an autopar bench JSON (no 'meta' and 'results')")
+    return doc
+
+
+def _rewrite_readme(json_path: str, readme: str, check: bool = False) -> bool:
+    """The README's generated results section from the bench JSON; says what it did."""
+    from autopar.tools.bench_report import update_readme
+
+    try:
+        changed = update_readme(readme, _bench_doc(json_path), json_path, check=check)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    verb = ("is out of date" if changed else "is up to date") if check else (
+        "rewritten" if changed else "already up to date")  # fmt: skip
+    print(f"{readme}: results section {verb} (from {json_path})")
+    return changed
 
 
 def cmd_demo(args) -> int:
@@ -230,7 +275,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``autopar`` argument parser (subcommands profile, plan, bench, demo).
+    """The ``autopar`` argument parser (subcommands profile, plan, bench, bench-report, demo,
+    store).
 
     Example::
 
@@ -298,9 +344,31 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.tools.bench import add_arguments as bench_args
 
     bench_args(p)
+    p.add_argument(
+        "--readme", default=None, metavar="README.md",
+        help="after the run, rewrite this file's results section (between the autopar "
+        "bench-report marker comments) from the --out JSON",
+    )  # fmt: skip
     p.set_defaults(func=cmd_bench, parser=p)
 
-    p = sub.add_parser("demo", help="train a character-level LSTM with eager and autopar")
+    p = sub.add_parser(
+        "bench-report",
+        help="print the README results table of a bench JSON, or rewrite README.md's section",
+    )  # fmt: skip
+    p.add_argument("json", metavar="BENCH.json", help="what `autopar bench --out` wrote")
+    p.add_argument(
+        "--readme", default=None, metavar="README.md",
+        help="rewrite this file's section between the autopar bench-report marker comments",
+    )  # fmt: skip
+    p.add_argument(
+        "--check", action="store_true",
+        help="with --readme: change nothing; exit 1 if the section is out of date",
+    )  # fmt: skip
+    p.set_defaults(func=cmd_bench_report, parser=p)
+
+    p = sub.add_parser(
+        "demo", help="train charlstm, towers or bert with eager and autopar; show the decisions"
+    )
     from autopar.tools.demo import add_arguments as demo_args
 
     demo_args(p)

@@ -1,377 +1,392 @@
-"""``autopar demo``: train a character-level LSTM language model with eager PyTorch and autopar.
+"""``autopar demo``: train a model with eager PyTorch and with autopar (and, on request,
+``torch.compile``), then show what the compiler decided.
 
-The corpus needs no download: the Python standard library's own ``.py`` files, read from the
-running interpreter (``sysconfig.get_paths()["stdlib"]``) in sorted order up to
-``--corpus-kb``. Two copies of the model with identical initial weights train on identical
-batches, one eagerly and one through ``autopar.compile``; the demo prints both loss curves side
-by side, says whether they agree, and compares step times with autopar's prediction. It writes
-the plan's Gantt chart, a loss plot, the profile table, the plan and the generated program into
-``--out``.
+Models (``--model``, :mod:`autopar.tools.demo_models`): ``charlstm`` (the default), a
+character-level LSTM language model on the Python standard library's own source, written as
+an ``nn.LSTMCell`` loop; ``towers``, a multi-tower MLP; ``bert``, a tiny random Hugging Face
+BERT (needs ``transformers``). No data is downloaded.
+
+Every contender trains its own copy of the same initial weights on the same batches, one
+step each per round, in a fixed order. After the first step the demo waits for autopar's
+background Inductor compiles (``autopar.wait``; ``--no-wait`` trains through them: on a
+2-core machine the compile process then slows every step down). Training runs ``--steps``
+steps, then goes on (up to ``--settle-s`` seconds) until autopar has *settled* (its Inductor
+tiers landed or lost, its race of whole eager against compiled steps decided) and
+``--steady-steps`` more steps ran: the steps after settling are the ones timed. The last
+screen says, per graph, which executors were measured, which one runs and why, predicted
+against measured time and when each tier landed; the pictures (plan timeline,
+predicted-vs-measured trace, loss plot, step-time bars) go into ``--out``.
 
 Example::
 
-    autopar demo                       # well under a minute on a 2-core CPU
-    autopar demo --nn-lstm --steps 50  # nn.LSTM instead of an nn.LSTMCell loop
+    autopar demo                          # charlstm, about a minute on a 2-core CPU
+    autopar demo --torch-compile          # also time torch.compile (+20-40 s of Inductor)
+    autopar demo --model towers --out results/demo-towers
+    autopar demo --model bert --tiny      # a few tiny steps: a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import os
 import statistics
-import sysconfig
+import sys
+import textwrap
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autopar.tools.args import positive_int
-
-VOCAB = 128  # ASCII; other characters become "?"
-
-
-# -- data ------------------------------------------------------------------------------------
-def load_corpus(max_kb: int) -> tuple[torch.Tensor, list[str], str]:
-    """The stdlib's top-level ``.py`` files in sorted order, as ASCII codes, up to ``max_kb``.
-
-    Returns (codes as int64, the files used, the stdlib directory)."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(root, "*.py")))
-    if not files:
-        raise SystemExit(f"autopar demo: no .py files in the stdlib directory {root!r}")
-    parts, used, size = [], [], 0
-    for path in files:
-        if size >= max_kb * 1024:
-            break
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError:
-            continue
-        text = text[: max_kb * 1024 - size]
-        parts.append(text)
-        used.append(os.path.basename(path))
-        size += len(text)
-    codes = [c if c < VOCAB else ord("?") for c in map(ord, "".join(parts))]
-    return torch.tensor(codes, dtype=torch.long), used, root
-
-
-def make_batches(data: torch.Tensor, steps: int, batch: int, seq_len: int, seed: int):
-    """``steps`` (input, target) pairs of random windows; target is the input shifted by one."""
-    if len(data) <= seq_len + 1:
-        raise SystemExit(f"autopar demo: corpus of {len(data)} chars is shorter than --seq-len")
-    g = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(seq_len + 1)
-    out = []
-    for _ in range(steps):
-        starts = torch.randint(0, len(data) - seq_len - 1, (batch, 1), generator=g)
-        window = data[starts + offsets]
-        out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
-    return out
-
-
-# -- model -------------------------------------------------------------------------------------
-class CharLM(nn.Module):
-    """Embedding -> LSTM (``nn.LSTM``, or an ``nn.LSTMCell`` loop) -> linear over the vocabulary."""
-
-    def __init__(self, hidden: int = 128, layers: int = 2, emb: int = 64, cell: bool = False):
-        super().__init__()
-        self.cell, self.hidden = cell, hidden
-        self.embed = nn.Embedding(VOCAB, emb)
-        if cell:
-            self.cells = nn.ModuleList(
-                nn.LSTMCell(emb if i == 0 else hidden, hidden) for i in range(layers)
-            )
-        else:
-            self.rnn = nn.LSTM(emb, hidden, layers, batch_first=True)
-        self.head = nn.Linear(hidden, VOCAB)
-
-    def forward(self, x):  # x: [batch, time] int64 -> logits [batch, time, VOCAB]
-        e = self.embed(x)
-        if not self.cell:
-            out, _ = self.rnn(e)
-            return self.head(out)
-        b, steps = x.shape
-        h = [e.new_zeros(b, self.hidden) for _ in self.cells]
-        c = [e.new_zeros(b, self.hidden) for _ in self.cells]
-        outs = []
-        for t in range(steps):
-            inp = e[:, t]
-            for i, cell in enumerate(self.cells):
-                h[i], c[i] = cell(inp, (h[i], c[i]))
-                inp = h[i]
-            outs.append(inp)
-        return self.head(torch.stack(outs, dim=1))
-
-
-def _loss(model, x, y) -> torch.Tensor:
-    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-
-
-@torch.no_grad()
-def sample(model: nn.Module, prompt: str, n: int, seed: int = 0) -> str:
-    """``n`` characters the (eager) model writes after ``prompt``, temperature 0.8."""
-    g = torch.Generator().manual_seed(seed)
-    codes = [min(ord(c), VOCAB - 1) for c in prompt]
-    for _ in range(n):
-        logits = model(torch.tensor([codes[-64:]]))[0, -1] / 0.8
-        codes.append(int(torch.multinomial(F.softmax(logits, -1), 1, generator=g)))
-    return "".join(chr(c) for c in codes)
-
-
-def moving_average(xs: list[float], window: int = 10) -> list[float]:
-    """Mean of each value and up to ``window - 1`` values before it."""
-    return [statistics.fmean(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
-
-
-def compare_curves(a: list[float], b: list[float], tol: float) -> tuple[bool, str]:
-    """Do two loss curves of the same training agree? Returns (verdict, explanation).
-
-    Early on, both runs compute the same numbers up to float32 rounding, so the first 10
-    losses must match within ``tol / 50``. Training then amplifies rounding differences
-    (as it does between two eager runs with different thread counts), so afterwards the
-    10-step moving averages must stay within ``tol``."""
-    early = max(abs(x - y) for x, y in zip(a[:10], b[:10], strict=True))
-    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
-    smooth = [abs(x - y) for x, y in zip(moving_average(a), moving_average(b), strict=True)]
-    ok = early <= tol / 50 and max(smooth) <= tol
-    text = (
-        f"first {min(10, len(a))} steps within {early:.1e} (limit {tol / 50:.0e}); 10-step "
-        f"moving averages within {max(smooth):.1e} (limit {tol:g}); largest single-step "
-        f"|diff| {max(diffs):.1e}.\n  Float32 sums run in another order round differently, "
-        "and training amplifies such differences step by step: |diff| grows from ~0."
-    )
-    return ok, text
+from autopar.tools.demo_models import (  # noqa: F401 - re-exported: the demo's public names
+    MODELS,
+    VOCAB,
+    CharLM,
+    bert_available,
+    build_task,
+    compare_curves,
+    load_corpus,
+    make_batches,
+    resolve_sizes,
+)
 
 
 # -- command line --------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``autopar demo``."""
+    """The options of ``autopar demo``.
+
+    Example::
+
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> p.parse_args(["--model", "towers", "--tiny"]).model
+        'towers'
+    """
     parser.description = (
-        "Train a character-level LSTM language model on the Python standard library's source, "
-        "once with eager PyTorch and once with autopar (identical weights and batches); "
-        "compare the loss curves and step times and write the plan, Gantt chart and program."
+        "Train a model once with eager PyTorch and once with autopar (identical weights and "
+        "batches; optionally also torch.compile), compare the loss curves and step times, and "
+        "show per captured graph what autopar measured, chose and why. Writes the plan "
+        "timeline, a predicted-vs-measured Perfetto trace, the loss plot and step-time bars."
     )
-    parser.add_argument("--hidden", type=positive_int, default=128, help="LSTM hidden size")
-    parser.add_argument("--layers", type=positive_int, default=2, help="stacked LSTM layers")
-    parser.add_argument("--emb", type=positive_int, default=64, help="character embedding size")
-    parser.add_argument("--seq-len", type=positive_int, default=32, help="characters per sequence")
-    parser.add_argument("--batch", type=positive_int, default=32, help="sequences per batch")
-    parser.add_argument("--steps", type=positive_int, default=150, help="training steps")
     parser.add_argument(
-        "--streams",
-        type=positive_int,
-        default=None,
+        "--model", choices=MODELS, default="charlstm",
+        help="charlstm: char-level LSTM on the stdlib's source (default); towers: multi-tower "
+        "MLP; bert: tiny random HF BERT (needs transformers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tiny", action="store_true",
+        help="tiny sizes, 4 steps, no settling: a smoke test in seconds (explicit options win)",
+    )  # fmt: skip
+    size = "(default: the model's own, see autopar.tools.demo_models.DEFAULTS)"
+    parser.add_argument("--hidden", type=positive_int, default=None, help=f"hidden size {size}")
+    parser.add_argument(
+        "--layers", type=positive_int, default=None, help=f"layers (towers: per tower) {size}"
+    )
+    parser.add_argument(
+        "--emb", type=positive_int, default=None,
+        help=f"charlstm: embedding size; towers: input features; bert: vocabulary {size}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq-len", type=positive_int, default=None, help=f"tokens per sequence {size}"
+    )
+    parser.add_argument("--batch", type=positive_int, default=None, help=f"batch size {size}")
+    parser.add_argument("--lr", type=float, default=None, help=f"Adam learning rate {size}")
+    parser.add_argument(
+        "--corpus-kb", type=positive_int, default=None,
+        help="charlstm: KB of stdlib source to train on (default 300)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="training steps at least (default 150)"
+    )
+    parser.add_argument(
+        "--settle-s", type=float, default=None,
+        help="after --steps, keep training up to this many seconds until autopar has settled "
+        "(tiers landed or lost, race decided) and --steady-steps more steps ran (default 150)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steady-steps", type=positive_int, default=30,
+        help="steps timed after autopar settled (default 30)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--torch-compile", action="store_true",
+        help="also train a torch.compile copy and time it (costs its Inductor compile, 20-40 s "
+        "on a 2-core CPU; `make demo` turns it on)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-wait", action="store_true",
+        help="train on while autopar's Inductor tiers compile in the background (the default "
+        "waits after step 1: on few cores the compile disturbs the steps and the race)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-inductor-tier", action="store_true",
+        help="compile autopar without its Inductor tier (default: $AUTOPAR_INDUCTOR, on)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--streams", type=positive_int, default=None,
         help="streams autopar plans for (default: the machine's intra-op thread count)",
-    )
-    # The default model is written the way many users write recurrences, as an
-    # nn.LSTMCell loop: autopar fuses each layer's loop into one oneDNN LSTM layer, forward
-    # and backward (1.8x eager on the 2-core box); with nn.LSTM both sides already run the
-    # fused kernel and autopar can only match it.
+    )  # fmt: skip
+    # charlstm is written the way many users write recurrences, as an nn.LSTMCell loop:
+    # autopar fuses each layer's loop into one oneDNN LSTM layer, forward and backward; with
+    # nn.LSTM both sides already run the fused kernel and autopar can only match it.
     parser.add_argument(
-        "--cell",
-        dest="cell",
-        action="store_true",
-        default=True,
-        help="model the LSTM as an nn.LSTMCell loop (the default: autopar fuses the loop)",
-    )
+        "--cell", dest="cell", action="store_true", default=True,
+        help="charlstm: the LSTM as an nn.LSTMCell loop (the default: autopar fuses the loop)",
+    )  # fmt: skip
     parser.add_argument(
-        "--nn-lstm",
-        dest="cell",
-        action="store_false",
-        help="use nn.LSTM instead (eager already runs PyTorch's fused kernel)",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+        "--nn-lstm", dest="cell", action="store_false",
+        help="charlstm: nn.LSTM instead (eager already runs PyTorch's fused kernel)",
+    )  # fmt: skip
     parser.add_argument(
-        "--corpus-kb", type=positive_int, default=300, help="KB of stdlib source to train on"
-    )
-    parser.add_argument(
-        "--tol",
-        type=float,
-        default=5e-2,
+        "--tol", type=float, default=5e-2,
         help="agreement: the first 10 steps' losses must match within tol/50, and the 10-step "
-        "moving averages of the two loss curves within tol (default 0.05 nats)",
-    )
+        "moving averages of the two loss curves within tol (default 0.05)",
+    )  # fmt: skip
     parser.add_argument(
-        "--store",
-        default=None,
+        "--store", default=None,
         help="autopar's profile store (default ./profiles or $AUTOPAR_PROFILE_DIR)",
-    )
+    )  # fmt: skip
     parser.add_argument("--out", default="results/demo", help="folder for the demo's files")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
+def resolve_args(args) -> argparse.Namespace:
+    """Fill the defaults that depend on ``--tiny`` (steps, settling).
+
+    Example::
+
+        >>> resolve_args(argparse.Namespace(tiny=True, steps=None, settle_s=None)).steps
+        4
+    """
+    tiny = getattr(args, "tiny", False)
+    if args.steps is None:
+        args.steps = 4 if tiny else 150
+    if args.settle_s is None:
+        args.settle_s = 0.0 if tiny else 150.0
+    return args
+
+
+def inductor_tier_on(args) -> bool:
+    """Whether autopar compiles with its Inductor tier: off by ``--no-inductor-tier``, else
+    ``autopar.compile``'s default, ``$AUTOPAR_INDUCTOR`` (on unless 0/false/off).
+
+    Example::
+
+        >>> inductor_tier_on(argparse.Namespace(no_inductor_tier=True))
+        False
+    """
+    if getattr(args, "no_inductor_tier", False):
+        return False
+    return os.environ.get("AUTOPAR_INDUCTOR", "1").lower() not in ("0", "false", "off", "")
+
+
 # -- the run ---------------------------------------------------------------------------------------
-def _step(model, opt, x, y) -> tuple[float, float, float]:
-    """One training step: (step seconds, forward+backward seconds, loss)."""
+@dataclass
+class Contender:
+    """One way of running the model, with its own copy of the weights and its optimizer."""
+
+    name: str
+    module: nn.Module
+    opt: torch.optim.Optimizer
+    losses: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # step k's seconds (step 0 compiles)
+
+
+def _step(c: Contender, task, inputs, target) -> None:
     t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    loss = _loss(model, x, y)
+    c.opt.zero_grad(set_to_none=True)
+    loss = task.loss(c.module(*inputs), target)
     loss.backward()
-    t1 = time.perf_counter()
-    opt.step()
-    return time.perf_counter() - t0, t1 - t0, loss.item()
+    c.opt.step()
+    c.step_s.append(time.perf_counter() - t0)
+    c.losses.append(loss.item())
 
 
-def _write_outputs(cmodel, out_dir: str, eager_losses, ap_losses) -> dict[str, str]:
-    """Gantt chart(s), loss plot, profile CSV, plan JSON, program source; returns name -> path."""
-    import matplotlib
+def _contenders(task, args, inductor: bool) -> list[Contender]:
+    import autopar
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
+    eager = copy.deepcopy(task.model)
+    out = [Contender("eager", eager, torch.optim.Adam(eager.parameters(), lr=task.lr))]
+    if args.torch_compile:
+        m = copy.deepcopy(task.model)
+        out.append(Contender("torch.compile", torch.compile(m),
+                             torch.optim.Adam(m.parameters(), lr=task.lr)))  # fmt: skip
+    cmodel = autopar.compile(task.model, streams=args.streams, store=args.store,
+                             inductor=inductor)  # fmt: skip
+    out.append(Contender("autopar", cmodel, torch.optim.Adam(task.model.parameters(), lr=task.lr)))
+    return out
 
-    import autopar.api
-    from autopar.planning.plan import Plan
 
-    os.makedirs(out_dir, exist_ok=True)
-    files: dict[str, str] = {}
-    records = autopar.api.graphs(cmodel)
-    plans = [r.plan for r in records if r.plan is not None]
-    if plans:  # forward and backward plans, as one plan that runs them one after another
-        plan = Plan.combine(plans)
-        files["Gantt chart"] = plan.gantt(os.path.join(out_dir, "gantt.png"))
-        files["plan"] = os.path.join(out_dir, "plan.json")
-        with open(files["plan"], "w") as f:
-            f.write(plan.to_json(indent=1))
-    tables = [r.table for r in records if r.table is not None]
-    if tables:
-        files["profile table"] = os.path.join(out_dir, "profile.csv")
-        pd.concat(tables, ignore_index=True).to_csv(files["profile table"], index=False)
-    files["program"] = os.path.join(out_dir, "program.py")
-    with open(files["program"], "w") as f:
-        f.write(str(autopar.api.explain(cmodel)))
+def _train(task, contenders: list[Contender], args, watch) -> tuple[int | None, list[str]]:
+    """The training loop; returns (the step at which autopar settled or None, warnings)."""
+    from tqdm import tqdm
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = range(1, len(eager_losses) + 1)
-    ax.plot(steps, eager_losses, label="eager", linewidth=2)
-    ax.plot(steps[: len(ap_losses)], ap_losses, label="autopar", linestyle="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("cross-entropy (nats/char)")
-    ax.set_title("char-LSTM on the Python stdlib: eager vs autopar")
-    ax.legend()
-    fig.tight_layout()
-    files["loss plot"] = os.path.join(out_dir, "loss.png")
-    fig.savefig(files["loss plot"], dpi=100)
-    plt.close(fig)
+    ap = contenders[-1]
+    caught: list[str] = []
+    settled_at = None
+    t_first = time.perf_counter()
+    # disable=None: a progress bar on a terminal only, not in logs or pipes
+    bar = tqdm(total=args.steps, desc="training", unit="step", leave=False,
+               disable=args.no_progress or None)  # fmt: skip
+    step, t_done = 0, None  # t_done: when --steps were done; the settling clock starts
+    while True:
+        if step >= args.steps:
+            t_done = t_done or time.perf_counter()
+            if settled_at is not None and step - settled_at >= args.steady_steps:
+                break
+            if time.perf_counter() - t_done > args.settle_s:
+                break
+            bar.set_description("training until autopar settles")
+        inputs, target = task.batch(step)
+        # A fixed order: autopar's race times forward-to-forward intervals, which then hold
+        # the same other contenders' steps whether autopar ran eagerly or compiled.
+        for c in contenders:
+            if c is ap and step == 0:
+                t_first = time.perf_counter()
+            with warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter("always")
+                _step(c, task, inputs, target)
+            caught.extend(f"{w.category.__name__}: {w.message}" for w in ws)
+            if step == 0 and c.name != "eager":
+                bar.write(f"step 1: {c.name} compiled the model in its first step: "
+                          f"{c.step_s[0]:.1f} s")  # fmt: skip
+        if step == 0 and watch.inductor and not args.no_wait:
+            _wait_for_tiers(ap.module, args, bar)
+        for line in watch.look(ap.module, step, time.perf_counter() - t_first):
+            bar.write(line[:160])
+        if not watch.settled:
+            settled_at = None  # e.g. a re-plan or a landed tier reopened the race
+        elif settled_at is None:
+            settled_at = step + 1
+            bar.write(f"step {step + 1}: autopar settled: every graph on its final executor, "
+                      "the race decided")  # fmt: skip
+        bar.set_postfix({c.name: f"{c.losses[-1]:.3f}" for c in contenders})
+        bar.update(1)
+        step += 1
+    bar.close()
+    return settled_at, caught
 
-    files["losses"] = os.path.join(out_dir, "losses.csv")
-    pd.DataFrame({"step": list(steps), "eager": eager_losses, "autopar": ap_losses}).to_csv(
-        files["losses"], index=False
-    )
-    return files
+
+def _wait_for_tiers(cmodel, args, bar) -> None:
+    """``autopar.wait`` after the first step. Training could go on while the Inductor tiers
+    compile in another process (that is what autopar does by default), but on a 2-core
+    machine the compile takes a core: every step meanwhile is 10-50x slower, the race of
+    eager against compiled steps would be decided on those disturbed steps, and an "eager"
+    verdict stops the graphs from being called, so their tiers could never land."""
+    import autopar
+
+    bar.write("waiting for autopar's background compiles (autopar.wait; --no-wait trains "
+              "through them instead) ...")  # fmt: skip
+    t0 = time.perf_counter()
+    done = autopar.wait(cmodel, timeout=max(args.settle_s, 1.0))
+    what = "done" if done else "NOT done (timed out)"
+    bar.write(f"... {what} after {time.perf_counter() - t0:.1f} s; each tier is measured "
+              "against the running program at its graph's next call")  # fmt: skip
+
+
+def _window(n_steps: int, settled_at: int | None, steady: int) -> tuple[int, int, str]:
+    """The steps to time: from autopar's settling on, else the last third (not step 1)."""
+    if settled_at is not None and n_steps - settled_at >= min(steady, 5):
+        return settled_at, n_steps, f"steps {settled_at + 1}-{n_steps}, after autopar settled"
+    lo = max(1, n_steps - max(1, (n_steps - 1) // 3))
+    if lo >= n_steps:
+        return 0, n_steps, f"all {n_steps} steps, compiling first steps included"
+    which = f"steps {lo + 1}-{n_steps}" if n_steps - lo > 1 else f"step {n_steps}"
+    return lo, n_steps, f"{which}, the last third (autopar not settled)"
+
+
+def _times(contenders, lo: int, hi: int) -> dict[str, tuple[float, float, int]]:
+    out = {}
+    for c in contenders:
+        xs = [x * 1e3 for x in c.step_s[lo:hi]]
+        iqr = 0.0
+        if len(xs) >= 4:
+            q1, _, q3 = statistics.quantiles(xs, n=4)
+            iqr = q3 - q1
+        out[c.name] = (statistics.median(xs), iqr, len(xs))
+    return out
 
 
 def main(args) -> int:
-    """Run the demo described by ``args`` (from ``add_arguments``); 0 if the losses agree."""
-    from tqdm import tqdm
+    """Run the demo described by ``args`` (from ``add_arguments``): 0 if the loss curves
+    agree, 1 if not, 2 if ``--model bert`` lacks ``transformers``.
 
-    import autopar.api
-    from autopar.tools.bench import autopar_prediction
+    Example::
 
-    data, used, root = load_corpus(args.corpus_kb)
-    torch.manual_seed(args.seed)
-    model = CharLM(args.hidden, args.layers, args.emb, args.cell)
-    eager = copy.deepcopy(model)
-    cmodel = autopar.api.compile(model, streams=args.streams, store=args.store)
-    opt_e = torch.optim.Adam(eager.parameters(), lr=args.lr)
-    opt_a = torch.optim.Adam(model.parameters(), lr=args.lr)
-    batches = make_batches(data, args.steps, args.batch, args.seq_len, args.seed)
-    rnn = f"an nn.LSTMCell loop ({args.layers} x {args.hidden})"
-    if not args.cell:
-        rnn = f"nn.LSTM ({args.layers} layers x {args.hidden})"
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        "autopar demo: a character-level language model learns to write Python.\n"
-        f"  corpus : {len(data) / 1024:.0f} KB of the Python standard library's own source "
-        f"({len(used)} files from {root}, {used[0]} .. {used[-1]})\n"
-        f"  model  : embedding({VOCAB} chars -> {args.emb}) -> {rnn} -> linear "
-        f"-> {VOCAB} chars; {n_params:,} parameters\n"
-        f"  task   : predict each next character; batches of {args.batch} x {args.seq_len} "
-        f"chars, Adam lr {args.lr}, {args.steps} steps\n"
-        "  how    : two copies with identical initial weights see identical batches: one runs "
-        "eagerly,\n           the other through autopar.compile (profile -> plan -> generated "
-        "parallel program).\n"
-        "           The first autopar step compiles; after that both are timed step by step.",
-        flush=True,
-    )
+        >>> from autopar.tools.cli import main as cli
+        >>> cli(["demo", "--model", "towers", "--tiny", "--out", "/tmp/d"])  # doctest: +SKIP
+        0
+    """
+    import autopar
+    from autopar.tools.demo_pictures import write_pictures
+    from autopar.tools.demo_report import Watch, final_screen, graph_decisions
 
-    eager_l, ap_l, t_e, t_a, fwbw_a = [], [], [], [], []
-    compile_s = None
-    caught: list[str] = []
-    # disable=None: a progress bar on a terminal only, not in logs or pipes
-    bar = tqdm(batches, desc="training", unit="step", leave=False, disable=args.no_progress or None)
-    for i, (x, y) in enumerate(bar):
-        order = ("eager", "autopar") if i % 2 == 0 else ("autopar", "eager")
-        for who in order:
-            if who == "eager":
-                s, _, loss = _step(eager, opt_e, x, y)
-                eager_l.append(loss)
-                t_e.append(s)
-                continue
-            with warnings.catch_warnings(record=True) as ws:
-                warnings.simplefilter("always")
-                s, fb, loss = _step(cmodel, opt_a, x, y)
-            caught.extend(f"{w.category.__name__}: {w.message}" for w in ws)
-            ap_l.append(loss)
-            if compile_s is None:
-                compile_s = s
-                bar.write(f"autopar compiled the model in its first step: {s:.1f} s")
-            else:
-                t_a.append(s)
-                fwbw_a.append(fb)
-        bar.set_postfix(eager=f"{eager_l[-1]:.3f}", autopar=f"{ap_l[-1]:.3f}")
-    bar.close()
+    args = resolve_args(args)
+    if args.model == "bert" and not bert_available():
+        print("autopar demo: --model bert needs the transformers package (pip install "
+              "transformers); --model charlstm and towers need nothing more", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    task = build_task(args)
+    inductor = inductor_tier_on(args)
+    contenders = _contenders(task, args, inductor)
+    cmodel = contenders[-1].module
+    names = ", ".join(c.name for c in contenders)
+    how = (
+        f"{names}: each trains its own copy of the same initial weights on the same batches, "
+        f"one step each per round; at least {args.steps} steps, then until autopar settles (at "
+        f"most {args.settle_s:.0f} s more) and {args.steady_steps} steps after that, which are "
+        f"the timed ones. autopar's Inductor tier: {'on' if inductor else 'off'}"
+        + ("" if not inductor or args.no_wait else
+           "; the demo waits for it after step 1 (autopar.wait)") + "."
+    )  # fmt: skip
+    print(f"autopar demo --model {task.name}: " + task.about[0])
+    for line in [*task.about[1:], "how    : " + how]:
+        print(textwrap.fill(line, 100, initial_indent="  ", subsequent_indent=" " * 11,
+                            break_long_words=False, break_on_hyphens=False))
+    sys.stdout.flush()
+    watch = Watch(inductor=inductor)
+    settled_at, caught = _train(task, contenders, args, watch)
+    losses = {c.name: c.losses for c in contenders}
+    n = len(contenders[0].losses)
+    agree, agreement = compare_curves(losses["eager"], losses["autopar"], args.tol)
 
-    every = max(1, args.steps // 10)
-    print(f"\nloss (cross-entropy, nats per character) every {every} steps:")
-    print(f"  {'step':>5} {'eager':>9} {'autopar':>9} {'|diff|':>9}")
-    for i in sorted(set(range(0, args.steps, every)) | {args.steps - 1}):
-        d = abs(eager_l[i] - ap_l[i])
-        print(f"  {i + 1:>5} {eager_l[i]:9.4f} {ap_l[i]:9.4f} {d:9.2e}")
-    agree, explanation = compare_curves(eager_l, ap_l, args.tol)
-    print(f"\nthe loss curves {'AGREE' if agree else 'DISAGREE'}: {explanation}")
-
-    pred = autopar_prediction(cmodel)
-    breakdown = ", ".join(f"{k} {v:.2f} s" for k, v in pred["compile_breakdown_s"].items())
-    print("\ntimes (median over the timed steps; a step is forward + loss + backward + Adam):")
-    if t_a:
-        me, ma = statistics.median(t_e[1:] or t_e), statistics.median(t_a)
-        print(f"  eager   : {me * 1e3:8.2f} ms/step")
-        print(f"  autopar : {ma * 1e3:8.2f} ms/step  -> speedup {me / ma:.2f}x over eager")
-    else:
-        print("  (too few steps to time autopar after its compiling first step)")
-    print(f"  autopar compile (its first step): {compile_s:.1f} s ({breakdown})")
-    if pred["predicted_s"] is not None and fwbw_a:
-        m = statistics.median(fwbw_a)
-        err = 100 * (pred["predicted_s"] - m) / m
-        print(
-            f"  cost model: predicted forward+backward {pred['predicted_s'] * 1e3:.2f} ms, "
-            f"measured {m * 1e3:.2f} ms (error {err:+.1f}%); serial prediction "
-            f"{pred['serial_s'] * 1e3:.2f} ms; plan policy {'/'.join(pred['policies'])} on "
-            f"{pred['streams']} stream(s)"
-        )
-    if pred.get("replans"):
-        print(
-            f"  autopar re-planned {pred['replans']} time(s): measured times drifted from the "
-            "prediction, so graphs were re-profiled (slower steps) and re-planned"
-        )
-    for tag, why in pred["fallbacks"].items():
-        print(f"  NOTE: graph {tag} fell back to eager: {why}")
+    every = max(1, n // 10)
+    print(f"\nloss ({task.loss_name}) every {every} steps:")
+    head = " ".join(f"{c.name:>13}" for c in contenders)
+    print(f"  {'step':>5} {head}  |eager-autopar|")
+    for i in sorted(set(range(0, n, every)) | {n - 1}):
+        vals = " ".join(f"{c.losses[i]:13.4f}" for c in contenders)
+        print(f"  {i + 1:>5} {vals}  {abs(losses['eager'][i] - losses['autopar'][i]):.2e}")
+    if task.sample is not None:
+        text = task.sample(contenders[0].module)
+        print(f'\nthe trained (eager) model writes, after "def ": {text!r}')
     for w in sorted(set(caught))[:5]:
-        print(f"  warning: {w[:300]}")
+        print(f"warning: {w[:300]}")
 
-    print(f'\nthe trained model writes (after "def "): {sample(eager, "def ", 80)!r}')
-    files = _write_outputs(cmodel, args.out, eager_l, ap_l)
-    print("\nwhat the compiler decided (autopar.explain(cmodel).summary()):")
-    print(autopar.api.explain(cmodel).summary().rstrip())
-    print(f"\nfiles written to {args.out}:")
-    width = max(map(len, files))
-    for what, path in files.items():
-        print(f"  {what:<{width}} : {path}")
+    lo, hi, window = _window(n, settled_at, args.steady_steps)
+    times: dict = _times(contenders, lo, hi)
+    note = ""
+    if not args.torch_compile:
+        times = {"eager": times["eager"], "torch.compile": None, "autopar": times["autopar"]}
+        note = "torch.compile not timed: add --torch-compile (+20-40 s of Inductor compile)"
+    calls = autopar.stats(cmodel, per="graph")
+    files = write_pictures(cmodel, args.out, title=f"autopar demo --model {task.name}",
+                           losses=losses, times=times, calls=calls, ylabel=task.loss_name,
+                           note=note, window=window)  # fmt: skip
+    ex = autopar.explain(cmodel)
+    files["programs (autopar.explain)"] = os.path.join(args.out, "program.py")
+    with open(files["programs (autopar.explain)"], "w") as f:
+        f.write(str(ex))
+    info = {
+        "model": task.title, "agree": agree, "agreement": agreement, "window": window,
+        "times": {k: (v[0], v[2]) if v else None for k, v in times.items()},
+        "settled": settled_at is not None, "files": files, "out": args.out,
+        "untimed": note.split(": ", 1)[-1] if note else "",
+    }  # fmt: skip
+    print()
+    print(final_screen(ex, graph_decisions(ex, calls, watch), info))
+    print(f"(demo wall time {time.perf_counter() - t_start:.0f} s, {n} steps)")
     return 0 if agree else 1
