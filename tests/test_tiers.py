@@ -139,3 +139,23 @@ def test_unknown_tier_name_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("AUTOPAR_TIERS", "inductor,warp")
     with pytest.raises(ValueError, match="unknown tier.*warp"):
         tiers.default_candidates()
+
+
+def test_a_ready_tier_still_lands_after_the_race_chose_eager(always_land):
+    """An "eager" verdict makes no graph calls, and candidates land only at their graph's
+    next call: once the warm-ups are done, one step runs compiled (uncounted), the tier
+    lands, and the race starts again."""
+    torch.manual_seed(0)
+    model = BranchyNet().eval()
+    cmodel = autopar.compile(model, inductor=True, background=True,
+                             store=ProfileStore.memory())  # fmt: skip
+    race = cmodel._autopar_pipeline.race
+    race.samples, race.margin = 2, 0.0  # compiled never wins: the verdict will be eager
+    x = torch.randn(8, 16)
+    for _ in range(8):
+        cmodel(x).sum().backward()
+    assert {v for v, _ in race.report().values()} == {"eager"}
+    assert autopar.wait(cmodel, timeout=300)
+    cmodel(x).sum().backward()  # runs compiled: the tiers are measured and land
+    assert {u.executor for u in autopar.graphs(cmodel)} == {"inductor"}
+    assert {v for v, _ in race.report().values()} == {None}  # racing again

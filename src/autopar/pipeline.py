@@ -61,6 +61,7 @@ class Pipeline:
         self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
+        self._nudged: dict = {}  # input key -> pending tiers when a ready tier got a step
         self.progress: CompileProgress | None = None  # the compile now or last under way
         self._next: tuple[float, str] | None = None  # (start, reason): this step may compile
         self._call: float | None = None  # start of the forward call under way (None: none)
@@ -96,7 +97,18 @@ class Pipeline:
         key = input_key(model, args, kwargs)
         self.key = key
         t0 = time.perf_counter()
-        if self.race.choose(key, t0) == "eager" or _empty_batch(args, kwargs):
+        path = self.race.choose(key, t0)
+        if self.tiers is not None:
+            self.tiers.poll()
+            pending = self.tiers.pending()
+            if path == "eager" and self.tiers.ready() and self._nudged.get(key) != pending:
+                self._nudged[key] = pending  # once per change: other signatures' graphs wait
+                # Candidates land only at their graphs' next calls, which an "eager" verdict
+                # would never make: this step runs compiled (not counted in the race); a
+                # tier that lands resets the race, one that loses leaves the verdict as is.
+                self.race.mark_dirty(key)
+                path = "compiled"
+        if path == "eager" or _empty_batch(args, kwargs):
             return model(*args, **kwargs)
         self._next = None
         if key not in self.monitor.cache.entries:  # a new input signature: it compiles

@@ -182,6 +182,16 @@ class Tiers:
     def pending(self) -> int:
         return sum(not t.done for t in self._tiers.values())
 
+    def poll(self) -> None:
+        """A step boundary: start the next queued warm-up when none is running. (Graph calls
+        do this too; a module the race sends down the eager path makes none.)"""
+        self._launch_next()
+
+    def ready(self) -> bool:
+        """Every warm-up has finished and some graph's candidates wait to be measured (at
+        that graph's next call)."""
+        return bool(self.pending()) and not self._queue and not self._running()
+
     def wait(self, records, timeout: float | None = None) -> bool:
         """Block until every background compile has finished and been compiled here (they
         are measured and swapped at each graph's next call). True when nothing is left."""
