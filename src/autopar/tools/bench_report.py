@@ -14,6 +14,7 @@ import csv
 import os
 import platform
 import re
+import statistics
 import textwrap
 import time
 from typing import Any
@@ -74,14 +75,16 @@ def format_result(res: dict[str, Any], args) -> str:
         lines.extend(f"   {'':<14} note: {n}" for n in sorted(set(r["notes"])))
     a = res["autopar"]
     lines.extend(_autopar_lines(a))
-    if a["predicted_fwbw_ms"] is not None:
-        others = [g["tag"] for g in a.get("graphs", ()) if g["executor"] != "plan"]
-        caveat = f" (not the plan's: {', '.join(others)} run otherwise)" if others else ""
-        lines.append(
-            f"   autopar cost model: predicted fw+bw {a['predicted_fwbw_ms']:.3f} ms, measured "
-            f"{_fmt(a['measured_fwbw_ms'], '.3f')} ms -> error "
-            f"{_fmt(a['prediction_error_pct'], '+.1f')}%{caveat}"
-        )
+    if a.get("predicted_s") is not None:
+        if a.get("predicted_fwbw_ms") is not None:
+            lines.append(
+                f"   autopar cost model: planned programs' fw+bw graphs predicted "
+                f"{a['predicted_fwbw_ms']:.3f} ms, measured {a['plan_measured_fwbw_ms']:.3f} ms "
+                f"(median per step, autopar-plans) -> error "
+                f"{_fmt(a['prediction_error_pct'], '+.1f')}%"
+            )
+        else:
+            lines.append("   autopar cost model: no step ran every planned program (not checked)")
         lines.append(
             f"   plan: policy {'/'.join(a['policies'])}, {a['streams']} stream(s), predicted "
             f"serial {a['serial_fwbw_ms']:.3f} ms, lower bound {a['lower_bound_s'] * 1e3:.3f} ms"
@@ -154,7 +157,7 @@ def format_summary(results: list[dict[str, Any]]) -> str:
             return "failed" if r["error"] else _ratio(r.get(key))
 
         a = res["autopar"]
-        err = _fmt(a["prediction_error_pct"], "+.0f", "n/a")
+        err = _fmt(a.get("prediction_error_pct"), "+.0f", "n/a")
         tc, ap = (val(n, "first_step_s", ".1f") for n in ("torch.compile", "autopar"))
         first = f"{tc} / {ap}"
         model = res["model"] + ("*" if res.get("noisy") else "")
@@ -168,6 +171,13 @@ def format_summary(results: list[dict[str, Any]]) -> str:
         )
     if any(res.get("noisy") for res in results):
         lines.append("   * noisy: another process disturbed the run (see the model's table)")
+    errs = [abs(e) for res in results
+            if (e := res["autopar"].get("prediction_error_pct")) is not None]  # fmt: skip
+    if errs:
+        lines.append(
+            f"   cost model ('model err': predicted vs measured planned programs): median "
+            f"|error| {statistics.median(errs):.1f}% over {len(errs)} model(s)"
+        )
     return "\n".join(lines)
 
 
@@ -203,8 +213,8 @@ def write_csv(path: str, results: list[dict[str, Any]]) -> None:
                 row.update({k: r.get(k) for k in CSV_COLUMNS if k in r})
                 if name == "autopar":
                     a = res["autopar"]
-                    row["predicted_fwbw_ms"] = a["predicted_fwbw_ms"]
-                    row["prediction_error_pct"] = a["prediction_error_pct"]
+                    row["predicted_fwbw_ms"] = a.get("predicted_fwbw_ms")
+                    row["prediction_error_pct"] = a.get("prediction_error_pct")
                     row["fastest_tier_s"] = a.get("fastest_tier_s")
                     row["executors"] = executors_brief(a.get("graphs", []))
                     row["race"] = race_brief(a.get("race", []))

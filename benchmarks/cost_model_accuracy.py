@@ -1,0 +1,148 @@
+"""Cost-model accuracy: the predicted time of autopar's planned programs against their measured
+time, with the profile taken on a quiet machine and under CPU hogs.
+
+Run::
+
+    .venv/bin/python benchmarks/cost_model_accuracy.py [--models inception,towers] \\
+        [--hogs 0,1,2] [--steps 30] [--out results/cost-model.json]
+
+For each model and each hog count ``H`` (``H`` busy-loop processes, ``python -c "while True:
+pass"``, run while the model's first training step profiles it; killed right after):
+
+1. a fresh in-memory profile store; ``autopar.compile(model, inductor=False, race=False,
+   adapt=AdaptOptions(max_replans=0))``: the planned programs always run, and the monitor
+   times every graph call without ever re-profiling (so what is measured is the first call's
+   profile and the store's first-call healing, nothing later);
+2. the first step (capture, profile under the hogs, heal, plan), then the hogs are killed and
+   the script waits until ``quiet-check`` says the machine is quiet;
+3. ``--steps`` training steps; per step, the sum over graphs of the measured program times
+   and of the predictions (``autopar.stats(per="graph")``, rows run by the planned program).
+
+The error of a model is ``median(predicted / measured) - 1`` over those steps (+: predicted
+too slow). The summary gives the median absolute error over the models per hog count.
+The machine's state (load average, the OpenMP probe) is printed before every model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+import autopar
+from autopar.profiling.store import ProfileStore
+from autopar.tools.bench_models import BENCH_MODELS, default_models, make_loss
+
+QUIET_CHECK = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools", "quiet-check")
+
+
+def quiet(wait: float) -> str:
+    """``quiet-check --wait``'s line (or why it could not run)."""
+    if not os.path.exists(QUIET_CHECK):
+        return f"load average {os.getloadavg()[0]:.2f} (quiet-check not found)"
+    r = subprocess.run([sys.executable, QUIET_CHECK, "--wait", str(wait)],
+                       capture_output=True, text=True)  # fmt: skip
+    return (r.stdout.strip() or r.stderr.strip()).splitlines()[-1]
+
+
+def start_hogs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def run_model(name: str, hogs: int, steps: int, wait: float) -> dict:
+    spec = BENCH_MODELS[name]
+    torch.manual_seed(0)
+    model, inputs = spec.make(), spec.make_inputs()
+    with torch.no_grad():
+        loss_fn = make_loss(spec, model(*inputs))
+    cmodel = autopar.compile(model, inductor=False, race=False, store=ProfileStore.memory(),
+                             adapt=autopar.AdaptOptions(max_replans=0))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(cmodel(*inputs)).backward()
+        opt.step()
+
+    before = quiet(wait)
+    procs = start_hogs(hogs)
+    try:
+        time.sleep(0.5 if hogs else 0.0)  # the hogs are running before the profile starts
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()  # the first step: capture, profile (under the hogs), heal, plan
+    finally:
+        stop(procs)
+    after = quiet(wait)
+    first_step = len(autopar.stats(cmodel, per="graph"))
+    for _ in range(steps):
+        step()
+    df = autopar.stats(cmodel, per="graph").iloc[first_step:]
+    df = df[df["executor"] == "plan"]
+    graphs = df["graph"].nunique()
+    per = df.groupby("step").agg(n=("graph", "nunique"), predicted=("predicted_s", "sum"),
+                                 measured=("measured_s", "sum"))  # fmt: skip
+    per = per[per["n"] == graphs]
+    ratio = statistics.median(per["predicted"] / per["measured"]) if len(per) else float("nan")
+    return {
+        "model": name, "hogs": hogs, "steps": len(per),
+        "predicted_ms": statistics.median(per["predicted"]) * 1e3 if len(per) else None,
+        "measured_ms": statistics.median(per["measured"]) * 1e3 if len(per) else None,
+        "error_pct": 100.0 * (ratio - 1.0),
+        "executors": sorted({u.executor for u in autopar.graphs(cmodel)}),
+        "store_warnings": [str(w.message)[:160] for w in caught
+                           if "profile store" in str(w.message)],
+        "quiet_before_profile": before, "quiet_after_hogs": after,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=None, help="comma-separated (default: all bench)")
+    parser.add_argument("--hogs", default="0,1,2", help="hog counts to run (default 0,1,2)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--wait", type=float, default=120.0, help="quiet-check --wait seconds")
+    parser.add_argument("--out", default="results/cost-model.json")
+    args = parser.parse_args(argv)
+    models = args.models.split(",") if args.models else default_models()
+    hogs = [int(h) for h in args.hogs.split(",")]
+    rows = []
+    for h in hogs:
+        for name in models:
+            r = run_model(name, h, args.steps, args.wait)
+            rows.append(r)
+            print(f"{name:<12} hogs={h}  predicted {r['predicted_ms']:8.3f} ms  measured "
+                  f"{r['measured_ms']:8.3f} ms  error {r['error_pct']:+6.1f}%   "
+                  f"[{r['quiet_before_profile']}]"
+                  + (f"  healed: {len(r['store_warnings'])} warning(s)"
+                     if r["store_warnings"] else ""), flush=True)  # fmt: skip
+    print("\nmedian |error| per hog count during the profile:")
+    for h in hogs:
+        errs = [abs(r["error_pct"]) for r in rows if r["hogs"] == h]
+        print(f"  hogs={h}: {statistics.median(errs):.1f}%  (models: {len(errs)}, "
+              f"max {max(errs):.1f}%)")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        meta = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+                "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
