@@ -18,7 +18,7 @@ from autopar.errors import PlanError
 from autopar.planning.plan import Plan
 from autopar.tools.cli import build_parser, main
 
-SUBCOMMANDS = ["profile", "plan", "bench", "demo"]
+SUBCOMMANDS = ["profile", "plan", "bench", "bench-report", "demo", "store"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -298,7 +298,8 @@ class Pipeline:
             f"measured at first call: {plan.policy} on {len(program.streams_used)} streams "
             f"{best['plan'] * 1e3:.3f} ms vs serial {best['serial'] * 1e3:.3f} ms"
         )
-        record.advance("measure", time.perf_counter() - t0, verdict)
+        record.advance("measure", time.perf_counter() - t0, verdict,
+                       measured=(("plan", best["plan"]), ("serial", best["serial"])))
         if best["plan"] < MEASURE_MARGIN * best["serial"]:
             return plan.replace(notes=plan.notes + (verdict + ": kept the plan",)), program
         serial = serial.replace(notes=serial.notes + (verdict + ": kept serial",))

@@ -102,6 +102,9 @@ class GraphUnit:
     program: Any = field(default=None, repr=False)  # what runs: autopar.codegen.emit.Program
     executor: str = "captured"  # the name of what runs it (see autopar.codegen.executors)
     fallback: str | None = None  # why this graph runs as captured, if it does
+    # The latest measured choice (the first call's streams-vs-serial, a tier's landing):
+    # (candidate, best seconds) pairs, e.g. (("inductor", 0.0021), ("plan", 0.0034)).
+    measured: tuple[tuple[str, float], ...] = ()
     provenance: tuple[Provenance, ...] = ()
 
     def replace(self, stage: str, seconds: float = 0.0, note: str = "", **changes) -> GraphUnit:

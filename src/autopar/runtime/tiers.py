@@ -275,16 +275,19 @@ class Tiers:
             f"{times} vs {record.executor} {cur * 1e3:.3f} ms "
             f"(ready {waited:.1f} s after the first call)"
         )
+        measured = ((record.executor, cur),) + tuple(
+            (k, best.get(k, float("inf"))) for k in ready)
         if best.get(name, float("inf")) < LAND_MARGIN * cur:
             prog = ready[name]
             with record.lock:
                 fn = prog.fn
                 record.runner = lambda a: fn(*a)
                 record.advance("tier", waited, f"{verdict}: {name} landed", program=prog,
-                               executor=name)  # fmt: skip
+                               executor=name, measured=measured)  # fmt: skip
             self._event(record, f"{verdict}: {name} landed")
         else:
-            record.advance("tier", waited, f"{verdict}: kept {record.executor}")
+            record.advance("tier", waited, f"{verdict}: kept {record.executor}",
+                           measured=measured)
             self._event(record, f"{verdict}: kept {record.executor}")
 
     def _event(self, record, text: str) -> None:
