@@ -115,8 +115,12 @@ class CompiledModule(nn.Module):
 
     # -- the call ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        _check_inputs(self._orig_mod, self._autopar_signature, args, kwargs)
-        return self._autopar_pipeline.call(self._orig_mod, self._autopar_compiled, args, kwargs)
+        def check():
+            _check_inputs(self._orig_mod, self._autopar_signature, args, kwargs)
+
+        return self._autopar_pipeline.call(
+            self._orig_mod, self._autopar_compiled, args, kwargs, check=check
+        )
 
 
 def _recompile(model: nn.Module, options: CompileOptions, memory_store: bool = False):

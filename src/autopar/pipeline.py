@@ -62,6 +62,7 @@ class Pipeline:
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
         self._nudged: dict = {}  # input key -> pending tiers when a ready tier got a step
+        self._checked: set = set()  # input keys whose inputs passed the caller's check
         self.progress: CompileProgress | None = None  # the compile now or last under way
         self._next: tuple[float, str] | None = None  # (start, reason): this step may compile
         self._call: float | None = None  # start of the forward call under way (None: none)
@@ -90,11 +91,18 @@ class Pipeline:
             self._store = s if isinstance(s, ProfileStore) else ProfileStore(s)
         return self._store
 
-    def call(self, model: nn.Module, compiled, args, kwargs):
+    def call(self, model: nn.Module, compiled, args, kwargs, check=None):
         """One forward call: a step boundary (pending re-plans are swapped in here). The
-        step runs compiled, or eagerly while the race says so (``runtime.race``)."""
+        step runs compiled, or eagerly while the race says so (``runtime.race``).
+        ``check()`` raises a clear error for inputs the model cannot take; it runs once per
+        input signature and argument layout (what it checks: arity, keywords, dtypes)."""
         first = self.compile_seconds is None
         key = input_key(model, args, kwargs)
+        if check is not None:
+            shape = (key, len(args), tuple(kwargs))  # keywords by name: the key has values
+            if shape not in self._checked:
+                check()
+                self._checked.add(shape)
         self.key = key
         t0 = time.perf_counter()
         path = self.race.choose(key, t0)
