@@ -174,3 +174,65 @@ def test_float64_keyword_tensor_trains_like_eager_without_a_warning():
     torch.testing.assert_close(out, ref)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_bug_in_the_model_reads_like_eagers_error_with_the_users_line():
+    """A shape mismatch in the model surfaces while Dynamo traces with fake tensors: the
+    error is the op's own (RuntimeError), names this file's line, and says what to do,
+    without Dynamo's advice to remove a torch.compile call the user never wrote."""
+    import pytest
+
+    class Buggy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(7, 3)
+
+        def forward(self, x):
+            return self.b(self.a(x))  # 8 features into Linear(7, 3)
+
+    with pytest.raises(RuntimeError) as info:
+        _compile(Buggy())(torch.randn(4, 8))
+    text = str(info.value)
+    assert "test_habits.py:" in text and "self.b(self.a(x))" in text
+    assert "without autopar.compile" in text and "torch.compile` call" not in text
+    assert info.value.__cause__ is None and info.value.dynamo_error is not None
+
+
+def test_two_threads_each_training_its_own_model_started_together():
+    """Two threads, each compiling and training its own model, started at once: both
+    finish, every graph of both gets a plan, and each trains like its eager twin."""
+    import threading
+
+    for _ in range(3):
+        barrier = threading.Barrier(2)
+        results: dict = {}
+
+        def work(i: int, barrier=barrier, results=results) -> None:
+            try:
+                torch.manual_seed(i)
+                model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+                eager = copy.deepcopy(model)
+                cmodel = _compile(model)
+                x = torch.randn(4, 8)
+                barrier.wait()
+                for _ in range(3):
+                    for m in (cmodel, eager):
+                        m.zero_grad()
+                        m(x).square().sum().backward()
+                grads = [(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                           eager.parameters(), strict=True)]
+                results[i] = ({u.executor for u in autopar.graphs(cmodel)}, grads)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                results[i] = exc
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i in range(2):
+            assert not isinstance(results.get(i), Exception), results.get(i)
+            executors, grads = results[i]
+            assert executors == {"plan"}
+            for g, h in grads:
+                torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)

@@ -57,3 +57,49 @@ def warn_fallback(what: str, node=None, fix: str = "") -> None:
         msg += f" {fix}"
     logging.getLogger("autopar").info("%s", msg)  # one line in the log too (autopar.logs)
     warnings.warn(msg, FallbackWarning, stacklevel=3)
+
+
+def traced_user_error(exc: BaseException) -> BaseException | None:
+    """The user's own error behind a Dynamo trace failure, restated, or None.
+
+    Dynamo runs the model on fake tensors before anything runs for real, so a bug in the
+    model (a shape mismatch) surfaces as a ``TorchRuntimeError`` of several paragraphs that
+    tells the user to remove a ``torch.compile`` call they never wrote. This returns the
+    underlying exception's type with its message, the user's source line (the innermost
+    frame outside torch of Dynamo's ``real_stack``) and what to do; Dynamo's exception is
+    kept as its ``dynamo_error`` attribute.
+
+    Example::
+
+        >>> try:                                                # doctest: +SKIP
+        ...     cmodel(x)
+        ... except Exception as exc:
+        ...     raise (traced_user_error(exc) or exc) from None
+    """
+    try:
+        from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return None
+    if not isinstance(exc, TorchRuntimeError):
+        return None
+    orig, seen = exc, 0
+    while isinstance(orig, TorchDynamoException) and seen < 10:  # the chain to the op's error
+        nxt = orig.__cause__ or orig.__context__
+        if nxt is None:
+            break
+        orig, seen = nxt, seen + 1
+    if isinstance(orig, TorchDynamoException):
+        return None
+    frames = [f for f in (getattr(exc, "real_stack", None) or [])
+              if "/torch/" not in f.filename.replace("\\", "/")]  # fmt: skip
+    where = f"{frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" \
+        if frames else "the model's forward"
+    msg = (f"{orig} -- raised at {where} while autopar traced the call with fake tensors. "
+           "Check the model without autopar.compile: eager PyTorch raises it there too "
+           "unless the model branches on tensor values.")  # fmt: skip
+    try:
+        clean = type(orig)(msg)
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        clean = RuntimeError(msg)
+    clean.dynamo_error = exc  # Dynamo's full report, for a bug report
+    return clean

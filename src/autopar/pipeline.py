@@ -30,7 +30,7 @@ from autopar.adapt.monitor import (
     register_cache_size,
 )
 from autopar.capture.backend import Capture, GraphRecord
-from autopar.errors import warn_fallback
+from autopar.errors import traced_user_error, warn_fallback
 from autopar.logs import CompileProgress
 from autopar.runtime.race import StepRace
 from autopar.runtime.tiers import Tiers
@@ -133,6 +133,11 @@ class Pipeline:
                         out = compiled(*args, **kwargs)
                 else:
                     out = compiled(*args, **kwargs)
+        except Exception as exc:
+            clean = traced_user_error(exc)  # a bug in the model, seen by Dynamo's trace
+            if clean is None:
+                raise
+            raise clean from None  # one clear error; Dynamo's is clean.dynamo_error
         finally:
             self._call = None
         if first:
