@@ -200,7 +200,7 @@ def test_a_bug_in_the_model_reads_like_eagers_error_with_the_users_line():
 
 def test_two_threads_each_training_its_own_model_started_together():
     """Two threads, each compiling and training its own model, started at once: both
-    finish, every graph of both gets a plan, and each trains like its eager twin."""
+    finish, the graphs get plans, and each model trains like its eager twin."""
     import threading
 
     for _ in range(3):
@@ -233,6 +233,10 @@ def test_two_threads_each_training_its_own_model_started_together():
         for i in range(2):
             assert not isinstance(results.get(i), Exception), results.get(i)
             executors, grads = results[i]
-            assert executors == {"plan"}
+            # Dynamo caches per code object: when both threads look up at once, one model
+            # may run the graphs the other compiled (parameters are inputs: same results),
+            # and autopar.graphs lists them under that other model.
+            assert executors <= {"plan"}
             for g, h in grads:
                 torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
+        assert any(results[i][0] == {"plan"} for i in range(2))
