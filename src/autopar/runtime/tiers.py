@@ -8,7 +8,12 @@ later tiers are the *candidates* of :data:`TIER_CANDIDATES`, each one factory th
 - ``"segments"``: the graph cut into per-stream segments, each compiled by Inductor's C++
   wrapper and run concurrently (``autopar.codegen.segments``), offered only when the cost
   model predicts the cut at least :data:`SEGMENT_MIN_GAIN` times faster than its segments
-  run one after another (``runtime.segment_runner.segment_candidate``).
+  run one after another (``runtime.segment_runner.segment_candidate``). Opt-in
+  (``AUTOPAR_TIERS=inductor,segments``): see :data:`DEFAULT_TIERS`.
+
+Once a graph's inputs arrive in other layouts than its candidates were compiled for (an
+earlier graph's tier landed: an Inductor forward may save channels-last activations), the
+candidates are made again for the new layouts before they are measured (once per graph).
 
 With ``background=True`` a candidate's cold compile runs in another process that fills
 Inductor's cache; once every warm-up has finished, the graph's next call compiles the
@@ -59,7 +64,10 @@ log = logging.getLogger("autopar")
 #: (measurement noise must not flip executors back and forth).
 LAND_MARGIN = 0.97
 
-__all__ = ["LAND_MARGIN", "SEGMENT_MIN_GAIN", "TIER_CANDIDATES", "Tiers", "default_candidates"]
+__all__ = [
+    "DEFAULT_TIERS", "LAND_MARGIN", "SEGMENT_MIN_GAIN", "TIER_CANDIDATES", "Tiers",
+    "default_candidates",
+]  # fmt: skip
 
 
 @dataclass
@@ -106,10 +114,18 @@ TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
 }
 
 
+#: The candidates when ``$AUTOPAR_TIERS`` is unset. Segments are opt-in: in ``autopar bench``
+#: on the 2-core box (2026-11-30) they lost to whole-graph Inductor on every graph they were
+#: offered (inception, towers, deep MLP, BERT, GPT-2: 1.1-2x slower), and their compiles
+#: delay the landing of the Inductor tier by tens of seconds.
+DEFAULT_TIERS = ("inductor",)
+
+
 def default_candidates() -> tuple[str, ...]:
-    """``$AUTOPAR_TIERS`` (comma-separated names of :data:`TIER_CANDIDATES`), default all."""
+    """``$AUTOPAR_TIERS`` (comma-separated names of :data:`TIER_CANDIDATES`), default
+    :data:`DEFAULT_TIERS`."""
     text = os.environ.get("AUTOPAR_TIERS", "")
-    names = tuple(n.strip() for n in text.split(",") if n.strip()) or tuple(TIER_CANDIDATES)
+    names = tuple(n.strip() for n in text.split(",") if n.strip()) or DEFAULT_TIERS
     unknown = [n for n in names if n not in TIER_CANDIDATES]
     if unknown:
         raise ValueError(
@@ -127,6 +143,7 @@ class _Tier:
     started: float
     candidates: list[Candidate] = field(default_factory=list)
     done: bool = False  # measured (landed or lost), or nothing to do
+    remade: bool = False  # the candidates were made again for new input layouts
 
 
 class Tiers:
@@ -148,16 +165,8 @@ class Tiers:
     def start(self, record, args: list) -> None:
         """Queue ``record``'s candidates (``background=False``: compile and measure now)."""
         meta = input_meta(args)
-        tier = _Tier(meta, time.perf_counter())
+        tier = _Tier(meta, time.perf_counter(), self._make(record, meta))
         self._tiers[id(record)] = tier
-        for kind in self.kinds:
-            try:
-                cand = TIER_CANDIDATES[kind](record, meta)
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be made is none
-                log.debug("autopar: %s: no %s tier (%s)", record.tag, kind, exc)
-                cand = None
-            if cand is not None:
-                tier.candidates.append(cand)
         if not tier.candidates:
             tier.done = True
             return
@@ -176,6 +185,18 @@ class Tiers:
         if tier is None or tier.done or self._queue or self._running():
             return  # still compiling elsewhere: measuring now would time a shared machine
         self._reap(record, tier)
+        meta = input_meta(args)
+        if meta != tier.meta and not tier.remade:
+            # The inputs' layouts changed since the candidates were made: an earlier graph's
+            # tier landed (an Inductor forward may save channels-last activations where the
+            # planned one saved contiguous ones). Compiled for the old layouts, a candidate
+            # would copy its inputs on every call and be measured unfairly: make them again.
+            tier.remade, tier.meta = True, meta
+            tier.candidates = self._make(record, meta)
+            self._queue.extend(tier.candidates)
+            tier.done = not tier.candidates
+            self._launch_next()
+            return
         self._build(record, tier)
         self._land(record, tier, args)
 
@@ -214,6 +235,19 @@ class Tiers:
         return True
 
     # -- mechanics ----------------------------------------------------------------------
+    def _make(self, record, meta: list) -> list[Candidate]:
+        """The candidates of ``self.kinds`` that apply to ``record`` for inputs ``meta``."""
+        out = []
+        for kind in self.kinds:
+            try:
+                cand = TIER_CANDIDATES[kind](record, meta)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be made is none
+                log.debug("autopar: %s: no %s tier (%s)", record.tag, kind, exc)
+                cand = None
+            if cand is not None:
+                out.append(cand)
+        return out
+
     def _launch_next(self) -> None:
         """Start the next queued warm-up if none is running (one compile process at a time)."""
         if not self._queue or self._running():
