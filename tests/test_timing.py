@@ -219,3 +219,15 @@ def test_calls_that_cannot_be_rebuilt(target, args, why):
     if why:
         with pytest.raises(NotRebuildable, match=why):
             rebuild({"target": target, "args": [], "kwargs": {}})
+
+
+def test_planning_time_trusts_a_clean_one_thread_time_over_a_contended_team():
+    from autopar.profiling.timing import planning_time_s
+
+    contended = {"time_s": 0.115, "contention": 0.9, "time_1t_s": 0.004, "contention_1t": 0.0}
+    assert planning_time_s(contended) == 0.004
+    clean = {**contended, "contention": 0.1, "time_s": 0.003}
+    assert planning_time_s(clean) == 0.003  # a clean T-thread time is used as measured
+    both = {**contended, "contention_1t": 0.8}
+    assert planning_time_s(both) == 0.115  # nothing better to go on
+    assert planning_time_s({"time_s": 0.002}) == 0.002  # CUDA / old records

@@ -65,6 +65,7 @@ from autopar.profiling.timing import (
     NodeTimes,
     RetryBudget,
     measure_op,
+    planning_time_s,
     time_sample,
 )
 
@@ -306,7 +307,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             "op": n.op,
             "target": target_name(n),
             "signature": sig,
-            "time_s": float(record["time_s"]) if record else 0.0,
+            "time_s": planning_time_s(record) if record else 0.0,
             "time_1t_s": self._time_1t(record) if record else 0.0,
             "threads": self.threads,
             "flops": int(record.get("flops", 0)) if record else 0,
@@ -375,8 +376,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         return written, alias
 
     def _time_1t(self, record: dict[str, Any]) -> float:
-        t1 = record.get("time_1t_s")
-        return float("nan") if t1 is None else float(t1)
+        return float("nan") if (t1 := record.get("time_1t_s")) is None else float(t1)
 
     def _lookup(self, sig: str) -> tuple[dict[str, Any] | None, bool]:
         record = self.seen.get(sig)

@@ -321,3 +321,30 @@ class NodeTimes(Mapping):
 
     def __copy__(self) -> NodeTimes:
         return self
+
+
+def planning_time_s(record: Mapping[str, Any]) -> float:
+    """The T-thread time a plan should assume for a stored ``record``: its ``time_s``, or,
+    when that setting was contended and the 1-thread one was not, at most ``time_1t_s``.
+
+    Why: a contended T-thread sample is an OpenMP team waiting at its barriers for a member
+    whose core a neighbour took (10-100x the op's time, see docs/cost-model.md), while one
+    thread loses little. On a quiet machine T threads are not slower than one beyond the
+    fork/join overhead, so the clean 1-thread time bounds the op. (The record stays as it
+    was measured, provisional: the next profile measures it again.)
+
+    Example::
+
+        >>> planning_time_s({"time_s": 0.115, "contention": 0.9, "time_1t_s": 0.004,
+        ...                  "contention_1t": 0.0})
+        0.004
+    """
+    t = float(record["time_s"])
+    t1 = record.get("time_1t_s")
+    if (
+        t1 is not None
+        and float(record.get("contention", 0.0)) > CONTENTION_LIMIT
+        and float(record.get("contention_1t", 1.0)) <= CONTENTION_LIMIT
+    ):
+        return min(t, float(t1))
+    return t
