@@ -49,7 +49,9 @@ def test_bench_model_reports_every_column(tmp_path):
     assert all(g["executor"] in ("plan", "captured") for g in a["graphs"])
     assert a["fastest_tier_s"] is not None  # no tier: the first step's executors are final
     # --no-inductor: autopar itself runs its plans, so its monitor checks the cost model
-    assert a["prediction_error_pct"] is not None and a["plan_measured_fwbw_ms"] > 0
+    check = {k: a[k] for k in ("prediction_error_pct", "predicted_fwbw_ms",
+                               "plan_measured_fwbw_ms")}  # fmt: skip
+    assert None not in check.values(), check  # reported; the values are the benchmark's
     (race,) = a["race"]
     assert set(race) == {"signature", "verdict", "reason"} and race["reason"]
     json.dumps(res)  # what --out writes
