@@ -37,6 +37,7 @@ import warnings
 import torch
 
 import autopar
+from autopar.capture.analysis import example_args
 from autopar.codegen.executors import generate
 from autopar.codegen.inductor import compile_inductor
 from autopar.codegen.segments import compile_segments, cut_segments, refine_for_segments
@@ -47,21 +48,12 @@ from autopar.tools import zoo
 QUIET_CHECK = "/work/shared/tools/quiet-check"
 
 
-def _example(node):
-    v = node.meta["val"]
-    if not isinstance(v, torch.Tensor):
-        return v
-    if v.dtype.is_floating_point:
-        return torch.randn(v.shape, dtype=v.dtype)
-    return torch.zeros(v.shape, dtype=v.dtype)
-
-
 def contenders(record, store) -> tuple[dict, str]:
     """The callables to time for one graph, and a description of its segments."""
     streams = [autopar.Stream(0, "cpu", 1), autopar.Stream(1, "cpu", 1)]
     plan = make_plan(record.table, streams=streams, policy="heft", graph_id=record.tag,
                      store=store)  # fmt: skip
-    args = [_example(n) for n in record.gm.graph.nodes if n.op == "placeholder"]
+    args = example_args(record.gm)
     refined, note = refine_for_segments(record.gm, plan, record.tag)
     cut = cut_segments(record.gm, plan, record.tag)
     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from captured import planned_zoo_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from oracle import assert_close_to_oracle, max_err
@@ -23,12 +24,11 @@ from test_codegen import (
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
+from autopar.capture.analysis import example_args
 from autopar.codegen.executors import generate
 from autopar.codegen.torchscript import FALLBACK_NOTE, generate_ts
 from autopar.planning.partition import make_plan as plan_graph
-from autopar.profiling.store import ProfileStore
 from autopar.runtime.streams import intra_op_threads
-from autopar.tools import zoo
 
 
 def _is_ts(prog) -> bool:
@@ -143,25 +143,9 @@ def _is_float(v) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
-def _example(node: torch.fx.Node):
-    v = node.meta["val"]
-    if not isinstance(v, torch.Tensor):
-        return v
-    if v.dtype.is_floating_point:
-        return torch.randn(v.shape, dtype=v.dtype)
-    return torch.zeros(v.shape, dtype=v.dtype)
-
-
 @pytest.mark.parametrize("name", ["inception", "towers"])
 def test_zoo_forward_and_backward_graphs(name):
-    model, inputs = zoo.build(name)
-    if name == "towers":
-        inputs = (torch.randn(8, 64),)
-    cm = autopar.compile(model, streams=2, policy="heft", store=ProfileStore.memory())
-    cm(*inputs).sum().backward()
-    records = [r for r in cm._autopar_pipeline.records if r.plan is not None]
-    assert {r.tag.split(".")[1] for r in records} == {"fw", "bw"}
-    for r in records:
+    for r in planned_zoo_records(name):
         # the HEFT plan itself (the record may hold the serial plan: the first call keeps
         # whichever program measured faster)
         one_thread_each = [autopar.Stream(0, "cpu", 1), autopar.Stream(1, "cpu", 1)]
@@ -170,7 +154,7 @@ def test_zoo_forward_and_backward_graphs(name):
         assert _is_ts(prog), prog.notes
         assert len(prog.streams_used) == 2
         py = generate(r.gm, plan, r.tag, executor="python")
-        args = [_example(n) for n in r.gm.graph.nodes if n.op == "placeholder"]
+        args = example_args(r.gm)
         # Judge by the fp64 oracle, not bitwise: the streams run 1 intra-op thread and the
         # reference programs may run more, so reductions may round differently. Eager at
         # either thread count is a valid eager run: its larger error sets the bar.

@@ -11,6 +11,7 @@ import torch.nn as nn
 from oracle import assert_close_to_oracle, check_training
 
 import autopar
+from autopar.capture.analysis import example_args
 from autopar.codegen.executors import generate
 from autopar.errors import PlanError
 from autopar.planning import policies
@@ -119,12 +120,6 @@ def _forward_unit(cm):
     return unit
 
 
-def _example_args(gm, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    return [torch.randn(v.shape, generator=gen, dtype=v.dtype) for v in vals]
-
-
 @pytest.mark.parametrize("policy", ["auto", *MULTI])
 def test_two_dropouts_train_as_eager_with_a_real_plan(policy):
     torch.manual_seed(0)
@@ -147,7 +142,7 @@ def test_two_dropouts_train_as_eager_with_a_real_plan(policy):
     assert len(plan.streams) == 2
     program = generate(unit.gm, plan, unit.tag)
     assert len(program.streams_used) == 2  # worker streams (random ops on the calling thread)
-    args = _example_args(unit.gm)
+    args = example_args(unit.gm, torch.Generator().manual_seed(1))
     torch.manual_seed(3)
     want = unit.gm(*args)
     torch.manual_seed(3)

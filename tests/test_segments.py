@@ -15,12 +15,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from captured import planned_zoo_records
 from oracle import assert_close_to_oracle, max_err
 from test_codegen import TAG, make_plan, random_dag, random_topo_order
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
+from autopar.capture.analysis import example_args
 from autopar.codegen.inductor import input_meta
 from autopar.codegen.segments import (
     compile_segments,
@@ -31,14 +33,12 @@ from autopar.codegen.segments import (
 from autopar.errors import PlanError
 from autopar.planning.costmodel import MachineModel
 from autopar.planning.partition import make_plan as plan_table
-from autopar.profiling.store import ProfileStore
 from autopar.runtime.segment_runner import (
     compile_segment_tier,
     segment_plan,
     start_segment_warmup,
 )
 from autopar.runtime.streams import intra_op_threads
-from autopar.tools import zoo
 
 ONE_THREAD_EACH = [autopar.Stream(0, "cpu", 1), autopar.Stream(1, "cpu", 1)]
 
@@ -49,15 +49,6 @@ def _deterministic_plan(record):
     table["time_1t_s"] = np.nan
     return plan_table(table, streams=ONE_THREAD_EACH, policy="heft", graph_id=record.tag,
                       machine=MachineModel.default_cpu())  # fmt: skip
-
-
-def _example(node: torch.fx.Node):
-    v = node.meta["val"]
-    if not isinstance(v, torch.Tensor):
-        return v
-    if v.dtype.is_floating_point:
-        return torch.randn(v.shape, dtype=v.dtype)
-    return torch.zeros(v.shape, dtype=v.dtype)
 
 
 def _worse(a, b, ref):
@@ -85,16 +76,9 @@ def _check_cut(cut, gm):
 
 @pytest.mark.parametrize("name", ["towers", "inception"])
 def test_zoo_forward_and_backward_graphs(name):
-    model, inputs = zoo.build(name)
-    if name == "towers":
-        inputs = (torch.randn(8, 64),)
-    cm = autopar.compile(model, streams=2, policy="heft", store=ProfileStore.memory())
-    cm(*inputs).sum().backward()
-    records = [r for r in cm._autopar_pipeline.records if r.plan is not None]
-    assert {r.tag.split(".")[1] for r in records} == {"fw", "bw"}
-    for r in records:
+    for r in planned_zoo_records(name):
         plan = _deterministic_plan(r)
-        args = [_example(n) for n in r.gm.graph.nodes if n.op == "placeholder"]
+        args = example_args(r.gm)
         prog = compile_segments(r.gm, plan, args, tag=r.tag)
         _check_cut(cut_segments(r.gm, plan, r.tag), r.gm)
         tier_plan = segment_plan(r.gm, r.table, r.tag)  # the tier's plan (measured times)

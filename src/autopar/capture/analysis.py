@@ -132,3 +132,32 @@ def has_side_effects(gm: fx.GraphModule) -> bool:
     nodes = list(gm.graph.nodes)
     _, writes = buffer_analysis(nodes)
     return bool(writes) or any(is_rng(n) for n in nodes)
+
+
+def example_args(gm: fx.GraphModule, generator: torch.Generator | None = None) -> list:
+    """Inputs for a captured graph's placeholders, from their ``meta["val"]``: random
+    normal floating tensors (drawn from ``generator``, or the global generator), zero
+    tensors of other dtypes, non-tensor values as recorded. For running a graph outside
+    the model (tests, benchmarks), where the values do not matter but must be finite.
+
+    Example::
+
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> gm = make_fx(lambda x, i: x[i], tracing_mode="fake")(
+        ...     torch.ones(3, 2), torch.zeros(1, dtype=torch.long))
+        >>> [(tuple(a.shape), a.dtype) for a in example_args(gm)]
+        [((3, 2), torch.float32), ((1,), torch.int64)]
+    """
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta["val"]
+        if not isinstance(v, torch.Tensor):
+            out.append(v)
+        elif v.dtype.is_floating_point:
+            out.append(torch.randn(v.shape, dtype=v.dtype, generator=generator))
+        else:
+            out.append(torch.zeros(v.shape, dtype=v.dtype))
+    return out
