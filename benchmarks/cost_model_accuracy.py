@@ -16,10 +16,11 @@ pass"``, run while the model's first training step profiles it; killed right aft
 2. the first step (capture, profile under the hogs, heal, plan), then the hogs are killed and
    the script waits until ``quiet-check`` says the machine is quiet;
 3. ``--steps`` training steps; per step, the sum over graphs of the measured program times
-   and of the predictions (``autopar.stats(per="graph")``, rows run by the planned program).
+   and of the predictions (``autopar.stats(per="graph")``, rows run by the planned program),
+   compared as ``autopar bench`` does (``autopar.tools.bench.cost_model_check``).
 
-The error of a model is ``median(predicted / measured) - 1`` over those steps (+: predicted
-too slow). The summary gives the median absolute error over the models per hog count.
+The error of a model is ``predicted / measured - 1`` at the median over those steps (+:
+predicted too slow). The summary gives the median absolute error over the models per hog count.
 The machine's state (load average, the OpenMP probe) is printed before every model.
 """
 
@@ -38,6 +39,7 @@ import torch
 
 import autopar
 from autopar.profiling.store import ProfileStore
+from autopar.tools.bench import cost_model_check
 from autopar.tools.bench_models import BENCH_MODELS, default_models, make_loss
 
 QUIET_CHECK = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools", "quiet-check")
@@ -87,21 +89,14 @@ def run_model(name: str, hogs: int, steps: int, wait: float) -> dict:
     finally:
         stop(procs)
     after = quiet(wait)
-    first_step = len(autopar.stats(cmodel, per="graph"))
     for _ in range(steps):
         step()
-    df = autopar.stats(cmodel, per="graph").iloc[first_step:]
-    df = df[df["executor"] == "plan"]
-    graphs = df["graph"].nunique()
-    per = df.groupby("step").agg(n=("graph", "nunique"), predicted=("predicted_s", "sum"),
-                                 measured=("measured_s", "sum"))  # fmt: skip
-    per = per[per["n"] == graphs]
-    ratio = statistics.median(per["predicted"] / per["measured"]) if len(per) else float("nan")
+    check = cost_model_check(cmodel, steps)  # the bench's rule: planned programs, per step
     return {
-        "model": name, "hogs": hogs, "steps": len(per),
-        "predicted_ms": statistics.median(per["predicted"]) * 1e3 if len(per) else None,
-        "measured_ms": statistics.median(per["measured"]) * 1e3 if len(per) else None,
-        "error_pct": 100.0 * (ratio - 1.0),
+        "model": name, "hogs": hogs, "steps": steps,
+        "predicted_ms": check["predicted_fwbw_ms"],
+        "measured_ms": check["plan_measured_fwbw_ms"],
+        "error_pct": check["prediction_error_pct"],
         "executors": sorted({u.executor for u in autopar.graphs(cmodel)}),
         "store_warnings": [str(w.message)[:160] for w in caught
                            if "profile store" in str(w.message)],
