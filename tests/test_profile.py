@@ -29,7 +29,7 @@ def quiet_machine(monkeypatch):
     the profiler does with measurements, and the shared test machine is rarely idle (a
     provisional entry would be measured again, which some tests count). The contention rules
     themselves are tested in tests/test_timing.py with fake samples."""
-    monkeypatch.setattr(timing, "_is_disturbed", lambda wall, cpu, preempted: False)
+    monkeypatch.setattr(timing, "_is_disturbed", lambda *_: False)
     monkeypatch.setattr(timing, "SPREAD_LIMIT", math.inf)
 
 
@@ -283,3 +283,26 @@ def test_summary_and_argument_errors():
         profile_graph(lambda x: x, [x])
     with pytest.raises(ValueError, match="repeats"):
         profile_graph(gm, [x], repeats=0)
+
+
+def test_first_call_profile_sees_no_aot_dispatch_mode(monkeypatch):
+    """AOTAutograd runs a graph's first call under a Python dispatch mode (a custom-op
+    aliasing check) that adds ~20 us to every operator: the profile and the first-call
+    measurements run outside it (``capture.backend.without_aot_first_call_check``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    import autopar
+
+    seen = []
+    real = prof.measure_op
+
+    def spy(call, cuda, **kw):
+        seen.append(len(_get_current_dispatch_mode_stack()))
+        return real(call, cuda, **kw)
+
+    monkeypatch.setattr(prof, "measure_op", spy)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    cmodel = autopar.compile(model, store=ProfileStore.memory(), race=False)
+    cmodel(torch.randn(4, 8)).sum().backward()
+    assert seen and set(seen) == {0}
+    assert len(_get_current_dispatch_mode_stack()) == 0  # nothing left pushed or popped

@@ -29,6 +29,7 @@ too, its exception propagates, with a note naming the graph and the node.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -203,7 +204,8 @@ class LazyGraph:
             args = list(args)
             undo = _SideEffects(record.gm, args)
             try:
-                out, runner = self._prepare(record, args)
+                with without_aot_first_call_check():
+                    out, runner = self._prepare(record, args)
             except Exception as exc:  # noqa: BLE001 - any failure falls back, never wrong results
                 out, runner = self._fall_back(args, exc, undo)
             record.runner = runner
@@ -478,6 +480,35 @@ __all__ = [
     "node_key",
     "run_serially",
 ]
+
+
+@contextlib.contextmanager
+def without_aot_first_call_check():
+    """Suspend AOTAutograd's first-call analysis while a graph is profiled and planned.
+
+    AOTAutograd runs a compiled graph's first call under ``_AnalyzeCustomOpInputOutputMode``
+    (a Python ``TorchDispatchMode`` that checks custom ops for aliasing), so every operator
+    of that call goes through Python: 20-25 us each, measured on the towers model, where a
+    view op takes 1-2 us. The profiler times operators, and ``confirm_by_measurement`` times
+    programs, during exactly that call; they must see the operators' own cost. (The mode is
+    thread-local, so worker streams never saw it: the serial program alone was penalised.)
+    Only that mode, on top of the stack, is suspended; a user's own modes stay. Where this
+    torch has no such mode, nothing changes.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import (
+            _AnalyzeCustomOpInputOutputMode as analysis,
+        )
+    except ImportError:  # another torch: no first-call analysis to suspend
+        analysis = None
+    stack = _get_current_dispatch_mode_stack()
+    if analysis is None or not stack or not isinstance(stack[-1], analysis):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 def dynamo_compile(module: torch.nn.Module, capture: Capture):
