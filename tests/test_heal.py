@@ -30,7 +30,7 @@ POISON = 50.0
 def quiet_machine(monkeypatch):
     """Measurements count as clean on the shared test machine (see tests/test_timing.py for
     the contention rules); what is tested here is what happens to them."""
-    monkeypatch.setattr(timing, "_is_disturbed", lambda wall, cpu, preempted: False)
+    monkeypatch.setattr(timing, "_is_disturbed", lambda *_: False)
     monkeypatch.setattr(timing, "SPREAD_LIMIT", math.inf)
 
 

@@ -32,7 +32,7 @@ timing = importlib.import_module("autopar.profiling.timing")
 
 
 def _quiet(monkeypatch, disturbed=False):
-    monkeypatch.setattr(timing, "_is_disturbed", lambda wall, cpu, preempted: disturbed)
+    monkeypatch.setattr(timing, "_is_disturbed", lambda *_: disturbed)
     monkeypatch.setattr(timing, "SPREAD_LIMIT", math.inf)
 
 
@@ -59,11 +59,40 @@ def test_identical_samples_reject_nothing():
     assert t.outliers == 0 and t.spread == 0.0 and not t.contended
 
 
+def test_threads_waiting_for_a_cpu_disturb_a_sample():
+    """An OpenMP worker descheduled before the sample began queues throughout while the
+    calling thread spins at the barrier: no CPU-time deficit, no new preemption, but
+    run-queue delay (timing.RunQueueClock)."""
+    assert timing._is_disturbed(1e-3, 1e-3, False, queued=0.6e-3)
+    assert not timing._is_disturbed(1e-3, 1e-3, False, queued=0.0)
+
+    class Queued:  # every read says the threads waited one more second
+        def __init__(self):
+            self.t = 0.0
+
+        def waited_s(self):
+            self.t += 1.0
+            return self.t
+
+    x = torch.randn(8, 8)
+    assert timing.time_sample(lambda: x @ x, 1, None, Queued()).disturbed
+
+
+def test_run_queue_clock_reads_this_process():
+    with timing.RunQueueClock() as clock:
+        a = clock.waited_s()
+        b = clock.waited_s()
+    if a is None:  # no /proc/self/task/*/schedstat (not Linux): the other signals stand alone
+        pytest.skip("no schedstat here")
+    assert 0.0 <= a <= b
+    assert clock.waited_s() is None  # closed
+
+
 def test_one_slow_warmup_does_not_become_the_measurement(monkeypatch):
     """The issue's 0.848 s entry for a 4.8 ms operator: one slow call was the only sample."""
     seen = []
 
-    def fake(call, k, cuda):
+    def fake(call, k, cuda, queue=None):
         seen.append(k)
         return Sample(0.848 if len(seen) == 1 else 0.0048)
 

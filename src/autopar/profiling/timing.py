@@ -10,14 +10,21 @@ CPU samples use ``time.perf_counter``; CUDA samples use CUDA events around the b
 synchronise on the end event.
 
 **Contention, per sample.** Each sample also records the calling thread's CPU time
-(``time.thread_time``) and the process's involuntary context switches (``getrusage``: every
-thread of the process, so also the OpenMP workers). A sample is *disturbed* when the calling
-thread ran for less than ``1 - CPU_DEFICIT_LIMIT`` of its wall time (it was descheduled, or
-slept at an OpenMP barrier waiting for a worker that was), or when any of the process's
-threads was preempted during it. Both are exact facts about that sample, cost about 2 us per
-sample outside the timed window, and are attributable to the sample (a load average or a
-probe before and after is not); docs/cost-model.md shows them against a busy loop. On CUDA only
-the preemptions count: the CPU may legitimately sleep in the event synchronisation.
+(``time.thread_time``), the process's involuntary context switches (``getrusage``: every
+thread of the process, so also the OpenMP workers) and, on Linux, the time the process's
+threads spent *runnable but waiting for a CPU* (``RunQueueClock``: the run-queue delay in
+``/proc/self/task/*/schedstat``). A sample is *disturbed* when the calling thread ran for
+less than ``1 - CPU_DEFICIT_LIMIT`` of its wall time (it was descheduled, or slept at an
+OpenMP barrier waiting for a worker that was), when any of the process's threads was
+preempted during it, or when its threads waited in the run queue for more than
+``RUN_QUEUE_LIMIT`` of its wall time. The last one catches what the first two cannot: an
+OpenMP worker descheduled *before* the sample began waits in the run queue throughout while
+the calling thread spins at the barrier (full CPU time, no new preemption): with two busy
+loops on two cores, such samples were 2-3x slow and passed as clean. All three are facts
+about that sample, cost a few microseconds outside the timed window, and are attributable
+to the sample (a load average or a probe before and after is not); docs/cost-model.md shows
+them against busy loops (``benchmarks/contention_signal.py``). On CUDA the CPU-time rule does
+not apply: the CPU may legitimately sleep in the event synchronisation.
 
 **Robust estimate.** Disturbed samples are set aside; of the rest, samples slower than
 ``median + OUTLIER_MADS * 1.4826 * MAD`` are rejected (one-sided: interference only adds
@@ -40,6 +47,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -68,6 +76,10 @@ MAX_BATCH = 200  # most calls in one sample (a 0.2 us op: 40 us per sample)
 SETTING_BUDGET_S = 0.5  # about the most time spent timing one signature at one thread count
 MIN_SAMPLES = 3  # fewest samples taken, and fewest clean ones a clean measurement rests on
 CPU_DEFICIT_LIMIT = 0.10  # the calling thread off the CPU for > 10% of a sample: disturbed
+# The process's threads waited for a CPU for > 5% of a sample: disturbed. Quiet samples read
+# 0.00 (a thread waking on an idle core does not queue); contended ones 0.4-1.2 (a 2-thread
+# team with one member queued reads about 1: the whole sample).
+RUN_QUEUE_LIMIT = 0.05
 CONTENTION_LIMIT = 0.5  # more than half the samples disturbed: the setting is contended
 OUTLIER_MADS = 3.0  # reject samples slower than median + 3 robust standard deviations
 SPREAD_LIMIT = 0.5  # a robust relative spread above this is too noisy to keep as clean
@@ -162,30 +174,90 @@ def summarize(samples: list[Sample], batch: int) -> Timing:
     )
 
 
-def _is_disturbed(wall: float, cpu: float | None, preempted: bool) -> bool:
-    """The per-sample contention rule; ``cpu`` is ``None`` where it does not apply (CUDA)."""
-    return preempted or (cpu is not None and cpu < (1.0 - CPU_DEFICIT_LIMIT) * wall)
+class RunQueueClock:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (the run-queue
+    delay, second field of ``/proc/self/task/<tid>/schedstat``), summed over the threads that
+    existed when it was made. ``None`` where the kernel does not tell (not Linux, or no
+    schedstats): the other per-sample signals then stand alone.
+
+    Example::
+
+        >>> clock = RunQueueClock()
+        >>> w = clock.waited_s()
+        >>> w is None or w >= 0.0
+        True
+        >>> clock.close()
+    """
+
+    def __init__(self):
+        self._fds: list[int] = []
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                self._fds.append(os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY))
+        except OSError:  # no procfs, or a thread exited while listing: what opened counts
+            pass
+
+    def waited_s(self) -> float | None:
+        if not self._fds:
+            return None
+        total = 0
+        for fd in self._fds:
+            try:
+                total += int(os.pread(fd, 96, 0).split()[1])
+            except (OSError, ValueError, IndexError):  # that thread exited: it waits no more
+                continue
+        return total / 1e9
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> RunQueueClock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def time_sample(call: Callable[[], Any], k: int, cuda: torch.device | None) -> Sample:
-    """Time ``k`` back-to-back calls: seconds per call, and whether the sample was disturbed."""
-    csw0, cpu0 = _preemptions(), time.thread_time()
-    if cuda is not None:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(k):
-            call()
-        end.record()
-        end.synchronize()
-        wall = start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
-        return Sample(wall / k, _is_disturbed(wall, None, _preemptions() != csw0))
-    t0 = time.perf_counter()
-    for _ in range(k):
-        call()
-    wall = time.perf_counter() - t0
-    cpu = time.thread_time() - cpu0
-    return Sample(wall / k, _is_disturbed(wall, cpu, _preemptions() != csw0))
+def _is_disturbed(wall: float, cpu: float | None, preempted: bool, queued: float = 0.0) -> bool:
+    """The per-sample contention rule; ``cpu`` is ``None`` where it does not apply (CUDA),
+    ``queued`` the seconds the process's threads waited for a CPU during the sample."""
+    if preempted or queued > RUN_QUEUE_LIMIT * wall:
+        return True
+    return cpu is not None and cpu < (1.0 - CPU_DEFICIT_LIMIT) * wall
+
+
+def time_sample(
+    call: Callable[[], Any], k: int, cuda: torch.device | None, queue: RunQueueClock | None = None
+) -> Sample:
+    """Time ``k`` back-to-back calls: seconds per call, and whether the sample was disturbed
+    (``queue``: the run-queue clock of the process's threads; made here when not given)."""
+    own = queue is None
+    queue = RunQueueClock() if own else queue
+    try:
+        q0, csw0, cpu0 = queue.waited_s(), _preemptions(), time.thread_time()
+        if cuda is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(k):
+                call()
+            end.record()
+            end.synchronize()
+            wall, cpu = start.elapsed_time(end) / 1e3, None  # elapsed_time is in milliseconds
+        else:
+            t0 = time.perf_counter()
+            for _ in range(k):
+                call()
+            wall = time.perf_counter() - t0
+            cpu = time.thread_time() - cpu0
+        preempted, q1 = _preemptions() != csw0, queue.waited_s()
+    finally:
+        if own:
+            queue.close()
+    queued = q1 - q0 if q0 is not None and q1 is not None else 0.0
+    return Sample(wall / k, _is_disturbed(wall, cpu, preempted, queued))
 
 
 def time_calls(
@@ -203,7 +275,9 @@ def time_calls(
     if est < BATCH_TARGET_S:
         k = min(MAX_BATCH, math.ceil(BATCH_TARGET_S / max(est, 1e-9)))
     reps = max(MIN_SAMPLES, min(repeats, int(SETTING_BUDGET_S / max(est * k, 1e-12))))
-    return summarize([time_sample(call, k, cuda) for _ in range(reps)], k)
+    with RunQueueClock() as queue:  # after the warm-up: the OpenMP team exists by now
+        samples = [time_sample(call, k, cuda, queue) for _ in range(reps)]
+    return summarize(samples, k)
 
 
 class RetryBudget:
