@@ -9,9 +9,11 @@ import networkx as nx
 import pytest
 
 from autopar.planning.costmodel import (
+    CONTEXT_OP_S,
     MachineModel,
     calibrate,
     calibration_name,
+    context_s,
     node_time,
     node_times,
     op_time,
@@ -150,7 +152,24 @@ def test_calibrate_measures_once_then_reads_the_store():
     assert calibration_name() in store.records
     for v in (m.sync_cost_s, m.dispatch_s, m.transfer_bandwidth_Bps, m.peak_flops_1t):
         assert v > 0 and math.isfinite(v)
+    assert m.context_op_s == CONTEXT_OP_S and m.context_bandwidth_Bps == m.mem_bandwidth_Bps
     again = calibrate(store)
     assert again.source == "store" and store.puts == 1
     assert again.sync_cost_s == m.sync_cost_s
     assert calibrate(None).source == "measured"
+
+
+def test_training_step_context_is_added_to_measured_ops_only():
+    """context_s: a measured op pays a per-op cost plus its bytes once from memory; a view
+    pays the per-op cost; an unmeasured op (roofline) and a placeholder pay nothing; a
+    machine without the constants (synthetic tests) models none of it."""
+    m = MachineModel(context_op_s=2e-6, context_bandwidth_Bps=1e9)
+    op = {"op": "call_function", "time_1t_s": 1e-3, "time_s": 1e-3, "threads": 1,
+          "bytes_read": 4000, "bytes_written": 1000}  # fmt: skip
+    assert context_s(op, m) == pytest.approx(2e-6 + 5e-6)
+    assert node_time(op, 1, m) == pytest.approx(1e-3 + 7e-6)
+    assert context_s({**op, "is_view": True}, m) == pytest.approx(2e-6)
+    unmeasured = {**op, "time_s": 0.0, "time_1t_s": 0.0, "flops": 1e6}
+    assert context_s(unmeasured, m) == 0.0
+    assert context_s({"op": "placeholder"}, m) == 0.0
+    assert context_s(op, MachineModel()) == 0.0 and node_time(op, 1, MachineModel()) == 1e-3

@@ -32,6 +32,14 @@ from autopar.planning.plan import Stream
 #: from small element-wise ops and small matmuls (<= 0.55).
 INTRA_OP_EFFICIENCY = 0.7
 
+#: Per-op cost of a measured CPU op inside a training step beyond its hot-loop time, besides
+#: its bytes (``context_s``). Measured on the 2-core box (2026-11-30): the Transformer
+#: encoder's planned programs (374 ops) ran 1.64 ms longer per step than the sum of their
+#: ops' hot-loop times, of which 0.71 ms is their bytes at the calibrated memory bandwidth:
+#: (1.64 - 0.71) ms / 374 = 2.5 us per op (instruction cache and branch predictors cold, the
+#: program's own line). Not calibrated per machine: a micro-benchmark runs hot by nature.
+CONTEXT_OP_S = 2.5e-6
+
 #: Ops that move no data and run no kernel: zero cost in the model.
 ZERO_COST_OPS = frozenset({"placeholder", "output", "get_attr"})
 
@@ -50,6 +58,9 @@ class MachineModel:
     ``gil_s`` is the part of each op's time that holds Python's GIL when the generated
     program runs it on a worker stream (argument handling, the op call's Python frames):
     concurrent streams serialise on it (0 = not modelled, the default for synthetic tests).
+    ``context_op_s`` and ``context_bandwidth_Bps`` price what a measured op costs inside a
+    training step beyond its hot-loop time (``context_s``; 0 = not modelled, the default for
+    synthetic tests; ``calibrate`` sets them).
     """
 
     cores: int = 2
@@ -63,6 +74,8 @@ class MachineModel:
     mem_bandwidth_Bps: float = 10e9
     parallel_overhead_s: float = 2e-6
     gil_s: float = 0.0
+    context_op_s: float = 0.0
+    context_bandwidth_Bps: float = 0.0
     source: str = "default"
 
     @classmethod
@@ -189,9 +202,40 @@ def node_times(attrs: dict, machine: MachineModel) -> tuple[float, float, int]:
     return e1, ec, machine.cores
 
 
+def context_s(attrs: dict, machine: MachineModel) -> float:
+    """What a *measured* CPU op costs inside a training step beyond its hot-loop time:
+    ``context_op_s + (bytes_read + bytes_written) / context_bandwidth_Bps`` (views move no
+    data: the first term only). Zero for unmeasured ops (the roofline already prices their
+    bytes at memory bandwidth and their dispatch) and where the machine does not model it.
+
+    Why: the profiler times an op by calling it back to back (``profiling.timing``), so its
+    inputs sit in cache and its code in the instruction cache. In a training step the
+    previous graph, the optimizer and the other ops have evicted both: on the 2-core box
+    the planned programs of the seven bench models ran 18-43% (median 38%) longer than the
+    sum of their ops' hot-loop times (2026-11-30, ``autopar bench``). Two terms account for
+    it: every byte the op touches comes once from memory (at the calibrated bandwidth), and
+    a fixed per-op cost (``CONTEXT_OP_S``). docs/cost-model.md has the measurement.
+
+    Example::
+
+        >>> m = MachineModel(context_op_s=2e-6, context_bandwidth_Bps=1e9)
+        >>> a = {"op": "call_function", "time_s": 1e-3, "bytes_read": 1000, "bytes_written": 0}
+        >>> round(context_s(a, m), 9), context_s(a, MachineModel())
+        (3e-06, 0.0)
+    """
+    if attrs.get("op") in ZERO_COST_OPS or not (attrs.get("time_s") or attrs.get("time_1t_s")):
+        return 0.0
+    t = machine.context_op_s
+    if machine.context_bandwidth_Bps > 0 and not attrs.get("is_view"):
+        nbytes = float(attrs.get("bytes_read") or 0) + float(attrs.get("bytes_written") or 0)
+        t += nbytes / machine.context_bandwidth_Bps
+    return t
+
+
 def node_time(attrs: dict, threads: int, machine: MachineModel, device: str = "cpu") -> float:
     """Modelled time of a node on a stream with ``threads`` intra-op threads
-    (``0`` = the default, ``machine.cores``). On CUDA the measured ``time_s`` is used.
+    (``0`` = the default, ``machine.cores``), in a training step (``context_s``). On CUDA
+    the measured ``time_s`` is used.
 
     Example::
 
@@ -203,7 +247,7 @@ def node_time(attrs: dict, threads: int, machine: MachineModel, device: str = "c
     t1, tT, T = node_times(attrs, machine)
     if device.startswith("cuda"):
         return tT
-    return op_time(t1, tT, T, threads or machine.cores)
+    return op_time(t1, tT, T, threads or machine.cores) + context_s(attrs, machine)
 
 
 def wants_intra_op(node_attrs: dict, machine: MachineModel) -> bool:
@@ -436,6 +480,8 @@ def _measure_cpu() -> dict:
         peak_flops_1t=2 * 256**3 / mm_s,
         mem_bandwidth_Bps=2 * nbytes / copy_s,  # a copy reads and writes every byte
         gil_s=_gil_share_s() if cores > 1 else 0.0,
+        context_op_s=CONTEXT_OP_S,
+        context_bandwidth_Bps=2 * nbytes / copy_s,
     )
 
 
@@ -498,8 +544,9 @@ def calibration_name(device: str = "cpu") -> str:
         >>> calibration_name("cpu").startswith("machine-cpu-")
         True
     """
-    # v2: gil_s joined the constants; older calibrations are re-measured
-    return f"machine-{device.replace(':', '')}-{os.cpu_count() or 1}c-v2"
+    # v2: gil_s joined the constants; v3: the training-step context (context_s). Older
+    # calibrations are re-measured.
+    return f"machine-{device.replace(':', '')}-{os.cpu_count() or 1}c-v3"
 
 
 def calibrate(store=None, device: str = "cpu", force: bool = False) -> MachineModel:
