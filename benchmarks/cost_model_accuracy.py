@@ -4,7 +4,7 @@ time, with the profile taken on a quiet machine and under CPU hogs.
 Run::
 
     .venv/bin/python benchmarks/cost_model_accuracy.py [--models inception,towers] \\
-        [--hogs 0,1,2] [--steps 30] [--out results/cost-model.json]
+        [--hogs 0,1,2] [--steps 30] [--reuse] [--out results/cost-model.json]
 
 For each model and each hog count ``H`` (``H`` busy-loop processes, ``python -c "while True:
 pass"``, run while the model's first training step profiles it; killed right after):
@@ -19,6 +19,13 @@ pass"``, run while the model's first training step profiles it; killed right aft
    and of the predictions (``autopar.stats(per="graph")``, rows run by the planned program),
    compared as ``autopar bench`` does (``autopar.tools.bench.cost_model_check``).
 
+With ``--reuse`` the profile is the first step of one compile, into a store on disk, and is
+then *used* by a second compile of a fresh copy of the model, after the hogs are gone and
+the machine is quiet (what a user meets: the store filled on a busy box, read on a quiet
+one). The second compile's first call re-measures the entries the first marked provisional
+and heals the ones its measured serial time contradicts; its ``--steps`` steps are then
+measured as above.
+
 The error of a model is ``predicted / measured - 1`` at the median over those steps (+:
 predicted too slow). The summary gives the median absolute error over the models per hog count.
 The machine's state (load average, the OpenMP probe) is printed before every model.
@@ -29,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -64,13 +73,15 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def run_model(name: str, hogs: int, steps: int, wait: float) -> dict:
+def trainer(name: str, store):
+    """(cmodel, one training step) of a fresh copy of bench model ``name`` (seed 0), its
+    planned programs always running, never re-profiled after the first call."""
     spec = BENCH_MODELS[name]
     torch.manual_seed(0)
     model, inputs = spec.make(), spec.make_inputs()
     with torch.no_grad():
         loss_fn = make_loss(spec, model(*inputs))
-    cmodel = autopar.compile(model, inductor=False, race=False, store=ProfileStore.memory(),
+    cmodel = autopar.compile(model, inductor=False, race=False, store=store,
                              adapt=autopar.AdaptOptions(max_replans=0))  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -79,6 +90,12 @@ def run_model(name: str, hogs: int, steps: int, wait: float) -> dict:
         loss_fn(cmodel(*inputs)).backward()
         opt.step()
 
+    return cmodel, step
+
+
+def run_model(name: str, hogs: int, steps: int, wait: float, reuse: bool = False) -> dict:
+    tmp = tempfile.mkdtemp(prefix="autopar-cm-") if reuse else None
+    cmodel, step = trainer(name, ProfileStore(tmp) if reuse else ProfileStore.memory())
     before = quiet(wait)
     procs = start_hogs(hogs)
     try:
@@ -89,11 +106,17 @@ def run_model(name: str, hogs: int, steps: int, wait: float) -> dict:
     finally:
         stop(procs)
     after = quiet(wait)
+    if reuse:  # a second compile reads that store on the quiet machine
+        cmodel, step = trainer(name, ProfileStore(tmp))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()  # re-measures provisional entries, heals contradicted ones, plans
+        shutil.rmtree(tmp, ignore_errors=True)
     for _ in range(steps):
         step()
     check = cost_model_check(cmodel, steps)  # the bench's rule: planned programs, per step
     return {
-        "model": name, "hogs": hogs, "steps": steps,
+        "model": name, "hogs": hogs, "steps": steps, "reuse": reuse,
         "predicted_ms": check["predicted_fwbw_ms"],
         "measured_ms": check["plan_measured_fwbw_ms"],
         "error_pct": check["prediction_error_pct"],
@@ -110,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hogs", default="0,1,2", help="hog counts to run (default 0,1,2)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--wait", type=float, default=120.0, help="quiet-check --wait seconds")
+    parser.add_argument("--reuse", action="store_true",
+                        help="profile under the hogs, then use that store in a second compile")
     parser.add_argument("--out", default="results/cost-model.json")
     args = parser.parse_args(argv)
     models = args.models.split(",") if args.models else default_models()
@@ -117,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for h in hogs:
         for name in models:
-            r = run_model(name, h, args.steps, args.wait)
+            r = run_model(name, h, args.steps, args.wait, args.reuse)
             rows.append(r)
             print(f"{name:<12} hogs={h}  predicted {r['predicted_ms']:8.3f} ms  measured "
                   f"{r['measured_ms']:8.3f} ms  error {r['error_pct']:+6.1f}%   "
