@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 
 import torch
 
@@ -60,30 +58,6 @@ def check_equivalence(name: str, streams: int) -> str:
     return "ok"
 
 
-def time_steps(contenders: dict, inputs, steps: int) -> dict[str, float]:
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in contenders.items()}
-
-    def step(k):
-        out = contenders[k](*inputs)
-        out.float().sum().backward()
-        opts[k].step()
-        opts[k].zero_grad(set_to_none=True)
-
-    for k in contenders:  # compile + warm up
-        for _ in range(3):
-            step(k)
-    torch.cuda.synchronize()
-    times = {k: [] for k in contenders}
-    for _ in range(steps):
-        for k in contenders:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(k)
-            torch.cuda.synchronize()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def predicted(cmodel) -> float:
     recs = cmodel._autopar_pipeline.records
     return sum(r.plan.predicted_step_time for r in recs if r.plan is not None)
@@ -98,6 +72,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here: nothing to check (run it on a GPU machine)")
         return 0
+    from gpu_validate import time_steps  # one timing loop for both GPU scripts
+
     import autopar
     from autopar.profiling.store import ProfileStore
     from autopar.tools import zoo

@@ -242,8 +242,12 @@ def section_sanitizer(report: dict, name: str = "towers") -> None:
         say(f"    {line}")
 
 
-def time_steps(contenders: dict, inputs, steps: int, budget: Budget) -> dict[str, float]:
-    """Median seconds of one training step per contender (interleaved, synchronised)."""
+def time_steps(
+    contenders: dict, inputs, steps: int, budget: Budget | None = None
+) -> dict[str, float]:
+    """Median seconds of one training step per contender (interleaved, synchronised); a
+    contender that fails (or, with a ``budget``, runs past it) while warming up is reported
+    and left out."""
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in contenders.items()}
 
     def step(k):
@@ -254,7 +258,7 @@ def time_steps(contenders: dict, inputs, steps: int, budget: Budget) -> dict[str
     live = {}
     for k in contenders:  # compile and warm up, each within what is left
         try:
-            with deadline(budget.left()):
+            with deadline(budget.left()) if budget else contextlib.nullcontext():
                 for _ in range(3):
                     step(k)
             live[k] = []

@@ -148,6 +148,9 @@ def _limit_names(cfg) -> tuple[str, ...]:
 _LIMIT_NAMES: list[str] = []  # filled at the first compiled call (torch._dynamo is lazy)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # torch.float32 -> "float32"
+
+
 def input_key(model: torch.nn.Module, args, kwargs) -> tuple:
     """The plan-cache key of one call: what Dynamo specialises a static graph on."""
     parts: list = [
@@ -156,9 +159,15 @@ def input_key(model: torch.nn.Module, args, kwargs) -> tuple:
         torch.is_autocast_enabled("cpu") and str(torch.get_autocast_dtype("cpu")),
         torch.get_num_threads(),  # Dynamo guards on it too: a new count is a new graph
     ]
-    for v in list(args) + [v for _, v in sorted(kwargs.items())]:
+    # Built on every forward call, also when the race sent the module down the eager path:
+    # keep it cheap (dtype names cached, keywords sorted only when there are some).
+    values = args if not kwargs else list(args) + [v for _, v in sorted(kwargs.items())]
+    for v in values:
         if isinstance(v, torch.Tensor):
-            parts.append((tuple(v.shape), str(v.dtype).replace("torch.", ""), v.device.type))
+            dtype = _DTYPE_NAMES.get(v.dtype)
+            if dtype is None:
+                dtype = _DTYPE_NAMES[v.dtype] = str(v.dtype).replace("torch.", "")
+            parts.append((tuple(v.shape), dtype, v.device.type))
         elif isinstance(v, (int, float, bool, str, type(None))):
             parts.append(v)
         else:

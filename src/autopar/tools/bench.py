@@ -14,8 +14,10 @@ backward -> optimizer.step``. The run of one model has three phases:
    verdict (at most ``--settle-steps``). The table reports how long this took, which executor
    runs each graph, and the race verdict.
 3. **Steady state**, interleaved: ``--warmup`` untimed and ``--steps`` timed rounds; each
-   round runs one step of every contender in a rotating order, so a slow phase of the machine
-   hits all of them alike. Medians, and ratios vs eager and vs the best of eager and
+   round runs one step of every contender in a rotating order, reversed every other round
+   (ABBA), so a slow phase of the machine hits all of them alike and no contender always
+   runs right after the same one (a step inherits its predecessor's caches and OpenMP
+   team state). Medians, and ratios vs eager and vs the best of eager and
    ``torch.compile``.
 
 autopar's cost model predicts the run time of each graph's planned program. Once an
@@ -444,8 +446,9 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
             if c is ap and c.error is None:  # phase 2, in the same Inductor cache
                 settle = autopar_settle(c, lambda c=c: run(c, record=False), args)
     for i in range(args.warmup + args.steps):  # phase 3: interleaved rounds
-        k = i % len(contenders)  # rotate who goes first
-        for c in contenders[k:] + contenders[:k]:
+        k = i % len(contenders)  # rotate who goes first; reverse every other round (ABBA)
+        order = contenders[k:] + contenders[:k]
+        for c in order[::-1] if i % 2 else order:
             run(c, record=i >= args.warmup)
     if settle:
         settle = autopar_final(ap, settle)
