@@ -17,13 +17,13 @@ threads spent *runnable but waiting for a CPU* (``RunQueueClock``: the run-queue
 less than ``1 - CPU_DEFICIT_LIMIT`` of its wall time (it was descheduled, or slept at an
 OpenMP barrier waiting for a worker that was), when any of the process's threads was
 preempted during it, or when its threads waited in the run queue for more than
-``RUN_QUEUE_LIMIT`` of its wall time. The last one catches what the first two cannot: an
+``RUN_QUEUE_LIMIT`` of its wall time. The last one sees what the first two cannot: an
 OpenMP worker descheduled *before* the sample began waits in the run queue throughout while
-the calling thread spins at the barrier (full CPU time, no new preemption): with two busy
-loops on two cores, such samples were 2-3x slow and passed as clean. All three are facts
+the calling thread spins at the barrier (full CPU time, no new preemption). Against busy
+loops it flags a few more slow samples than the first two and no more fast ones
+(``benchmarks/contention_signal.py``; docs/cost-model.md has the table). All three are facts
 about that sample, cost a few microseconds outside the timed window, and are attributable
-to the sample (a load average or a probe before and after is not); docs/cost-model.md shows
-them against busy loops (``benchmarks/contention_signal.py``). On CUDA the CPU-time rule does
+to the sample (a load average or a probe before and after is not). On CUDA the CPU-time rule does
 not apply: the CPU may legitimately sleep in the event synchronisation.
 
 **Robust estimate.** Disturbed samples are set aside; of the rest, samples slower than
