@@ -214,7 +214,11 @@ def context_s(attrs: dict, machine: MachineModel) -> float:
     the planned programs of the seven bench models ran 18-43% (median 38%) longer than the
     sum of their ops' hot-loop times (2026-11-30, ``autopar bench``). Two terms account for
     it: every byte the op touches comes once from memory (at the calibrated bandwidth), and
-    a fixed per-op cost (``CONTEXT_OP_S``). docs/cost-model.md has the measurement.
+    a fixed per-op cost (``CONTEXT_OP_S``). docs/cost-model.md has the measurement. Known
+    limit: a chain of element-wise ops reads what the op before it just wrote, still in
+    cache, so the bytes term over-prices it (GPT-2's backward: +8.8 ms predicted where the
+    whole step's context measured about 5.6 ms). In-place timing of ops inside whole-graph
+    runs would measure this instead of modelling it.
 
     Example::
 
