@@ -34,8 +34,9 @@ import time
 
 import torch
 
-from autopar.profiling import timing
-from autopar.profiling.timing import CPU_DEFICIT_LIMIT, RUN_QUEUE_LIMIT, RunQueueClock
+from autopar.profiling.timing import RunQueueClock, time_sample
+
+SIGNALS = ("cpu", "preempt", "queue")  # timing.contention_signals' names
 
 RULES = {
     "cpu+preempt (before)": lambda s: s["cpu"] or s["preempt"],
@@ -45,19 +46,11 @@ RULES = {
 
 
 def samples(n: int, op) -> list[dict]:
+    """``n`` one-call samples of ``op`` timed by ``timing.time_sample``, with its signals."""
     op()  # warm: the OpenMP team exists before the clock lists the threads
-    out = []
     with RunQueueClock() as clock:
-        for _ in range(n):
-            q0, csw0, cpu0 = clock.waited_s() or 0.0, timing._preemptions(), time.thread_time()
-            t0 = time.perf_counter()
-            op()
-            wall = time.perf_counter() - t0
-            cpu = time.thread_time() - cpu0
-            preempt, queued = timing._preemptions() != csw0, (clock.waited_s() or 0.0) - q0
-            out.append({"wall": wall, "cpu": cpu < (1 - CPU_DEFICIT_LIMIT) * wall,
-                        "preempt": preempt, "queue": queued > RUN_QUEUE_LIMIT * wall})  # fmt: skip
-    return out
+        got = [time_sample(op, 1, None, clock) for _ in range(n)]
+    return [{"wall": t.seconds, **{name: name in t.signals for name in SIGNALS}} for t in got]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,8 @@ def test_threads_waiting_for_a_cpu_disturb_a_sample():
             return self.t
 
     x = torch.randn(8, 8)
-    assert timing.time_sample(lambda: x @ x, 1, None, Queued()).disturbed
+    sample = timing.time_sample(lambda: x @ x, 1, None, Queued())
+    assert sample.disturbed and "queue" in sample.signals
 
 
 def test_run_queue_clock_reads_this_process():

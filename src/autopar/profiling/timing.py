@@ -90,10 +90,13 @@ _MAD_SIGMA = 1.4826  # MAD * this estimates the standard deviation of normal noi
 
 @dataclass(frozen=True)
 class Sample:
-    """One timed batch: seconds per call, and whether something else took the CPU meanwhile."""
+    """One timed batch: seconds per call, whether something else took the CPU meanwhile,
+    and which per-sample signals said so (``"cpu"``, ``"preempt"``, ``"queue"``; see
+    ``contention_signals``)."""
 
     seconds: float
     disturbed: bool = False
+    signals: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -220,12 +223,30 @@ class RunQueueClock:
         self.close()
 
 
+def contention_signals(
+    wall: float, cpu: float | None, preempted: bool, queued: float = 0.0
+) -> frozenset[str]:
+    """The per-sample signals that fired: ``"cpu"`` (the calling thread ran for less than
+    ``1 - CPU_DEFICIT_LIMIT`` of the sample; ``cpu`` is ``None`` where that does not apply,
+    CUDA), ``"preempt"`` (a thread of the process was preempted), ``"queue"`` (its threads
+    waited ``queued`` seconds for a CPU, more than ``RUN_QUEUE_LIMIT`` of the sample).
+
+    Example::
+
+        >>> sorted(contention_signals(1e-3, 0.5e-3, False, queued=0.6e-3))
+        ['cpu', 'queue']
+    """
+    fired = (
+        ("cpu", cpu is not None and cpu < (1.0 - CPU_DEFICIT_LIMIT) * wall),
+        ("preempt", preempted),
+        ("queue", queued > RUN_QUEUE_LIMIT * wall),
+    )
+    return frozenset(name for name, hit in fired if hit)
+
+
 def _is_disturbed(wall: float, cpu: float | None, preempted: bool, queued: float = 0.0) -> bool:
-    """The per-sample contention rule; ``cpu`` is ``None`` where it does not apply (CUDA),
-    ``queued`` the seconds the process's threads waited for a CPU during the sample."""
-    if preempted or queued > RUN_QUEUE_LIMIT * wall:
-        return True
-    return cpu is not None and cpu < (1.0 - CPU_DEFICIT_LIMIT) * wall
+    """The per-sample contention rule: any of ``contention_signals`` fired."""
+    return bool(contention_signals(wall, cpu, preempted, queued))
 
 
 def time_sample(
@@ -257,7 +278,8 @@ def time_sample(
         if own:
             queue.close()
     queued = q1 - q0 if q0 is not None and q1 is not None else 0.0
-    return Sample(wall / k, _is_disturbed(wall, cpu, preempted, queued))
+    signals = contention_signals(wall, cpu, preempted, queued)
+    return Sample(wall / k, _is_disturbed(wall, cpu, preempted, queued), signals)
 
 
 def time_calls(
