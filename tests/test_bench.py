@@ -70,6 +70,7 @@ def test_bench_model_reports_every_column(tmp_path):
     for column in ("eager ms", "torch.compile", "autopar/best", "1st step tc / ap s", "tiers s"):
         assert column in summary
     assert "tiny_mlp" in summary and "skipped" in summary  # no torch.compile in this run
+    assert "vs_best_interval" in res["contenders"]["autopar"]
 
     path = tmp_path / "r.csv"
     bench.write_csv(str(path), [res])

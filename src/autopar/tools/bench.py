@@ -68,6 +68,7 @@ from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench'
     write_csv,
 )
 from autopar.tools.bench_settle import autopar_final, autopar_settle, inductor_cache
+from autopar.tools.bench_stats import ratio_interval
 
 CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
 #: Contenders that are references, not peers (never the "best" autopar is compared with).
@@ -237,8 +238,10 @@ def resolve_args(args) -> argparse.Namespace:
     """Fill the defaults that depend on ``--quick`` (models, steps, warm-up, settle steps)."""
     quick = getattr(args, "quick", False)
     if getattr(args, "models", None) is None:
-        args.models = [m for m in QUICK["models"] if BENCH_MODELS[m].available] if quick else (
-            default_models()
+        args.models = (
+            [m for m in QUICK["models"] if BENCH_MODELS[m].available]
+            if quick
+            else default_models()
         )
     for name, default in DEFAULTS.items():
         if getattr(args, name, None) is None:
@@ -459,10 +462,9 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
     measured_fwbw = ap.median_ms("fwbw")
     check = cost_model_check(probe.module, args.steps) if probe.error is None else {}
     base = eager.median_ms()
-    best = min(
-        (m for c in contenders if c.name not in PROBES and (m := c.median_ms()) is not None),
-        default=None,
-    )
+    peers = [c for c in contenders if c.name not in PROBES and c.median_ms() is not None]
+    best_c = min(peers, key=lambda c: c.median_ms(), default=None)
+    best = best_c.median_ms() if best_c is not None else None
     rows = {}
     for c in contenders:
         med = c.median_ms()
@@ -472,6 +474,7 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
             "spread_pct": c.spread_pct(),
             "speedup_vs_eager": (base / med) if (med and base) else None,
             "speedup_vs_best": (best / med) if (med and best) else None,
+            "vs_best_interval": ratio_interval(best_c.step_s, c.step_s) if best_c else None,
             "compile_s": None if c.name == "eager" else c.compile_s,
             "first_step_s": c.compile_s,
             "timed_steps": len(c.step_s),

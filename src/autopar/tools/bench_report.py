@@ -32,6 +32,18 @@ def _ratio(x: float | None) -> str:
     return _fmt(x, ".2f") + "x" if x is not None else "-"
 
 
+def vs_best(row: dict[str, Any] | None) -> str:
+    """``0.96x (0.92-1.01)``: the ratio to the best peer and its 90% bootstrap interval
+    (``tools.bench_stats``); ``skipped``/``failed``/``-`` where there is none."""
+    if row is None:
+        return "skipped"
+    if row["error"]:
+        return "failed"
+    text = _ratio(row.get("speedup_vs_best"))
+    ci = row.get("vs_best_interval")
+    return text + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+
+
 def executors_brief(graphs: list[dict[str, Any]]) -> str:
     """``fw ind, bw plan`` for one Dynamo graph; ``g0.fw ind, g0.bw plan, g1.fw ...`` else."""
     if not graphs:
@@ -135,11 +147,13 @@ def format_summary(results: list[dict[str, Any]]) -> str:
     lines = [
         "== summary: median training step; ratios are eager's (or the faster of eager and "
         "torch.compile's) median / the contender's (>1 is faster)",
+        "   (90% CI): bootstrap over the interleaved rounds (tools.bench_stats); an interval "
+        "that holds 1.00 is no evidence either way",
         "   first steps: torch.compile / autopar, seconds; tiers: s from autopar's first step "
         "until every graph ran on its final executor",
         f"   {'model':<12} {'eager ms':>9} {'torch.compile':>13} {'autopar':>8} "
-        f"{'autopar/best':>12} {'1st step tc / ap s':>18} {'tiers s':>8} {'model err':>9}  "
-        f"{'executors':<18} race",
+        f"{'autopar/best (90% CI)':>21} {'1st step tc / ap s':>18} {'tiers s':>8} "
+        f"{'model err':>9}  {'executors':<18} race",
     ]
     for res in results:
         c = res["contenders"]
@@ -164,7 +178,7 @@ def format_summary(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"   {model:<12} {val('eager', 'median_step_ms', '.3f'):>9} "
             f"{sp('torch.compile'):>13} {sp('autopar'):>8} "
-            f"{sp('autopar', 'speedup_vs_best'):>12} {first:>18} "
+            f"{vs_best(c.get('autopar')):>21} {first:>18} "
             f"{_fmt(a.get('fastest_tier_s'), '.1f'):>8} "
             f"{err + ('%' if err != 'n/a' else ''):>9}  "
             f"{executors_brief(a.get('graphs', [])):<18} {race_brief(a.get('race', []))}"
@@ -342,8 +356,11 @@ def _started(doc: dict[str, Any]) -> list[str]:
     out, t = [], end
     for r in reversed(results):
         t -= float(r.get("wall_s") or 0.0)
-        out.append(str(r["time"])[:16] if r.get("time") else time.strftime("%Y-%m-%d %H:%M",
-                                                                           time.localtime(t)))
+        out.append(
+            str(r["time"])[:16]
+            if r.get("time")
+            else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+        )
     return out[::-1]
 
 
@@ -382,7 +399,7 @@ def readme_table(doc: dict[str, Any], source: str) -> str:
     lines = [
         textwrap.fill(intro, 92, break_on_hyphens=False, break_long_words=False),
         "",
-        "| model | eager step | torch.compile | autopar | autopar vs best | 1st step: "
+        "| model | eager step | torch.compile | autopar | autopar vs best (90% CI) | 1st step: "
         "torch.compile / autopar | executors (fw, bw) | race | measured (date, machine, load "
         "before / after) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -398,7 +415,7 @@ def readme_table(doc: dict[str, Any], source: str) -> str:
             f"| {desc} | {_cell(c, 'eager', 'median_step_ms', '.2f', ' ms')} | "
             f"{_cell(c, 'torch.compile', 'speedup_vs_eager', '.2f', 'x')} | "
             f"{_cell(c, 'autopar', 'speedup_vs_eager', '.2f', 'x')} | "
-            f"{_cell(c, 'autopar', 'speedup_vs_best', '.2f', 'x')} | "
+            f"{vs_best(c.get('autopar'))} | "
             f"{_cell(c, 'torch.compile', 'first_step_s', '.1f', ' s')} / "
             f"{_cell(c, 'autopar', 'first_step_s', '.1f', ' s')} | "
             f"{', '.join(g['executor'] for g in a.get('graphs', [])) or '-'} | "
