@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_leaves
 
 from autopar.errors import StoreWarning
-from autopar.profiling.profiler import COLUMNS, profile_graph, profile_table_summary, signature
+from autopar.profiling.profiler import COLUMNS, profile_graph, profile_table_summary
+from autopar.profiling.signature import signature
 from autopar.profiling.store import ProfileStore
 
 prof = importlib.import_module("autopar.profiling.profiler")

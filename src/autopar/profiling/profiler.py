@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 import operator
 import time
@@ -58,6 +57,17 @@ from autopar.capture.backend import node_key
 from autopar.errors import node_source
 from autopar.profiling.callspec import encode
 from autopar.profiling.quality import is_provisional
+from autopar.profiling.signature import (
+    describe,
+    format_meta,
+    leaves,
+    nbytes,
+    signature,
+    storage_ptr,
+    target_name,
+    tensors,
+    version_of,
+)
 from autopar.profiling.store import ProfileStore
 from autopar.profiling.timing import (
     BATCH_TARGET_S,
@@ -78,106 +88,6 @@ COLUMNS = [
 #: Seconds one profile_graph may spend re-measuring contended operators.
 RETRY_BUDGET_S = 2.0
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-def _leaves(value: Any) -> list[Any]:
-    """Flatten tuples/lists/dicts (the containers FX passes around) into their leaves."""
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _leaves(v)]
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _leaves(v)]
-    return [value]
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [x for x in _leaves(value) if isinstance(x, torch.Tensor)]
-
-
-def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def _version_of(t: torch.Tensor) -> int | None:
-    """``t._version``; None under ``inference_mode`` (no counter: a write is assumed)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse, nested, ... have no single storage
-        return 0
-
-
-def _describe(value: Any) -> str:
-    """The part of a signature one argument contributes: tensor metadata, else its repr."""
-    if isinstance(value, torch.Tensor):
-        grad = "g" if value.requires_grad and torch.is_grad_enabled() else ""
-        layout = "" if value.layout == torch.strided else str(value.layout)
-        return (
-            f"T{list(value.shape)}{str(value.dtype)[6:]}{list(value.stride())}"
-            f"{value.device}{layout}{grad}"
-        )
-    if isinstance(value, (list, tuple)):
-        return "(" + ",".join(_describe(v) for v in value) + ")"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_describe(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, torch.Generator):
-        return f"Generator({value.device})"
-    text = repr(value)
-    # A repr with an address ("<... at 0x7f..>") differs every run: it would never hit the store.
-    return f"<{type(value).__qualname__}>" if " at 0x" in text else text
-
-
-def target_name(node: torch.fx.Node) -> str:
-    """A readable, stable name of what a node runs: ``aten.mm.default``, ``_operator.getitem``.
-
-    Example::
-
-        >>> g = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
-        >>> [target_name(n) for n in g.graph.nodes]
-        ['x', 'torch.relu', '_operator.add', 'output']
-    """
-    t = node.target
-    if isinstance(t, str):
-        return t
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(t)
-    module = getattr(t, "__module__", None) or ""
-    # __name__, not __qualname__: torch.relu's qualname is "_VariableFunctionsClass.relu".
-    name = getattr(t, "__name__", None) or repr(t)
-    return f"{module}.{name}" if module else name
-
-
-def signature(target: str, args: Sequence[Any], kwargs: dict[str, Any], threads: int) -> str:
-    """The store key of one operator call: sha1 (16 hex digits) of target, arguments, threads.
-
-    Tensors contribute shape, dtype, strides and device (not values); other arguments their
-    repr. Two calls with the same signature cost the same, so only one is measured.
-
-    Example::
-
-        >>> a = torch.ones(2, 3)
-        >>> signature("aten.relu.default", (a,), {}, 2) == signature(
-        ...     "aten.relu.default", (torch.zeros(2, 3),), {}, 2)
-        True
-    """
-    text = f"{target}|{_describe(tuple(args))}|{_describe(kwargs)}|threads={threads}"
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
-def _format_meta(value: Any, ts: list[torch.Tensor]) -> tuple[str, str, str]:
-    """(shape, dtype, device) strings of a node's output(s); ``ts`` are its tensors."""
-    if not ts:
-        return "", "", ""
-    if len(ts) == 1 and isinstance(value, torch.Tensor):
-        return str(list(ts[0].shape)), str(ts[0].dtype)[6:], str(ts[0].device)
-    shapes = ", ".join(str(list(t.shape)) for t in ts)
-    dtypes = ", ".join(str(t.dtype)[6:] for t in ts)
-    return f"({shapes})", f"({dtypes})", str(ts[0].device)
 
 
 # -- measuring one operator -------------------------------------------------------------------
@@ -270,20 +180,20 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
     # -- the real run + bookkeeping ----------------------------------------------------------
     def run_node(self, n: torch.fx.Node) -> Any:
         inputs = n.all_input_nodes
-        input_bytes = [_nbytes(self.env.get(p)) for p in inputs]
+        input_bytes = [nbytes(self.env.get(p)) for p in inputs]
         record, sig, cached = None, "", False
         read = written = 0
         is_view = False
         if n.op in _COMPUTE_OPS:
             with self._set_current_node(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
-                in_tensors = _tensors((args, kwargs))
-                versions = [_version_of(t) for t in in_tensors]
+                in_tensors = tensors((args, kwargs))
+                versions = [version_of(t) for t in in_tensors]
                 t0 = time.perf_counter()
                 result = getattr(self, n.op)(n.target, args, kwargs)  # the one real execution
                 real_s = time.perf_counter() - t0
                 read = sum(t.numel() * t.element_size() for t in in_tensors)
-                written, is_view = self._writes(in_tensors, versions, _tensors(result))
+                written, is_view = self._writes(in_tensors, versions, tensors(result))
                 sig = signature(self._label(n), args, kwargs, self.threads)
                 record, cached = self._lookup(sig)
                 if record is None:
@@ -297,8 +207,8 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
                     self.evidence[key] = float(record["time_s"])
         else:
             result = super().run_node(n)
-        out_tensors = _tensors(result) if n.op != "output" else []  # output: just edges
-        shape, dtype, device = _format_meta(result, out_tensors)
+        out_tensors = tensors(result) if n.op != "output" else []  # output: just edges
+        shape, dtype, device = format_meta(result, out_tensors)
         row = {
             "graph": self.tag,
             "phase": self.phase,
@@ -331,7 +241,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
     def _label(self, n: torch.fx.Node) -> str:
         if n.op == "call_module":  # the module's configuration decides its cost, not its path
             mod = self.submodules[n.target]
-            params = [_describe(p) for p in mod.parameters()]
+            params = [describe(p) for p in mod.parameters()]
             return f"module:{type(mod).__qualname__}({mod.extra_repr()}){params}"
         if n.op == "call_method":
             return f"method:{n.target}"
@@ -339,7 +249,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 
     def _device_of(self, n: torch.fx.Node) -> str:
         for p in n.all_input_nodes:
-            ts = _tensors(self.env.get(p))
+            ts = tensors(self.env.get(p))
             if ts:
                 return str(ts[0].device)
         return "cpu"
@@ -360,14 +270,14 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         storage only when no copy was needed, and call_method / call_module nodes have no
         schema to read.
         """
-        in_ptrs = {_storage_ptr(t) for t in in_tensors} - {0}
+        in_ptrs = {storage_ptr(t) for t in in_tensors} - {0}
         mutated = {
-            _storage_ptr(t) for t, v in zip(in_tensors, versions, strict=True)
-            if v is None or _version_of(t) != v
+            storage_ptr(t) for t, v in zip(in_tensors, versions, strict=True)
+            if v is None or version_of(t) != v
         }
         written, alias = 0, False
         for t in out_tensors:
-            ptr = _storage_ptr(t)
+            ptr = storage_ptr(t)
             if ptr and ptr in in_ptrs:
                 alias = True
                 if ptr not in mutated:
@@ -408,13 +318,13 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
     def _side_call(self, n, args, kwargs, result):
         """(call, CUDA device or None): the node's operator, callable on the side without
         touching the real run (written arguments cloned, generators restored after)."""
-        every = _tensors((args, kwargs, result))
+        every = tensors((args, kwargs, result))
         cuda_devs = {t.device for t in every if t.device.type == "cuda"}
         kw_dev = kwargs.get("device")
         if kw_dev is not None and torch.device(kw_dev).type == "cuda":
             cuda_devs.add(torch.device(kw_dev))
         cuda = min(cuda_devs, key=str) if cuda_devs else None
-        gens = [g for g in _leaves((args, kwargs)) if isinstance(g, torch.Generator)]
+        gens = [g for g in leaves((args, kwargs)) if isinstance(g, torch.Generator)]
         on_device = torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext()
         with _rng_preserved(cuda_devs, gens), on_device:
             t_args, t_kwargs = _timing_args(n, args, kwargs)
