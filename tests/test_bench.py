@@ -150,3 +150,25 @@ def test_noisy_runs_are_recognised():
     assert bench.noisy(res) is None
     assert "busy after" in bench.noisy(dict(res, machine_after=busy))
     assert "spread" in bench.noisy({**res, "contenders": {"eager": {"spread_pct": 400.0}}})
+
+
+def test_blocks_time_all_but_the_first_step_of_each(tmp_path, monkeypatch):
+    """``--block 3``: per round, each contender runs 3 steps in a row; the first follows
+    another contender's step (its caches) and is not timed; the timed count is --steps."""
+    seen: list[tuple[str, bool]] = []
+    train = bench._train_step
+
+    def counting(c, inputs, loss_fn):
+        seen.append((c.name, c.compile_s is not None))
+        return train(c, inputs, loss_fn)
+
+    monkeypatch.setattr(bench, "_train_step", counting)
+    args = _args(tmp_path, "--block", "3", "--settle-steps", "0")
+    args.steps = 4
+    res = bench.bench_model(TINY, args, torch.get_num_threads())
+    eager = [name for name, _ in seen if name == "eager"]
+    assert len(eager) == 1 + 2 * 3  # the first step, then 2 rounds of 3
+    names = [name for name, after_first in seen if after_first]
+    runs = [names[i : i + 3] for i in range(0, len(names), 3)]
+    assert all(len(set(r)) == 1 for r in runs)  # a block is one contender's
+    assert all(row["timed_steps"] == 4 for row in res["contenders"].values())

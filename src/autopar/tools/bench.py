@@ -13,12 +13,16 @@ backward -> optimizer.step``. The run of one model has three phases:
    every graph's tier has landed or lost and the race of eager against compiled steps has a
    verdict (at most ``--settle-steps``). The table reports how long this took, which executor
    runs each graph, and the race verdict.
-3. **Steady state**, interleaved: ``--warmup`` untimed and ``--steps`` timed rounds; each
-   round runs one step of every contender in a rotating order, reversed every other round
+3. **Steady state**, interleaved: ``--warmup`` untimed rounds, then rounds until
+   ``--steps`` steps per contender were timed. Each round runs a block of ``--block``
+   consecutive steps of every contender, in a rotating order reversed every other round
    (ABBA), so a slow phase of the machine hits all of them alike and no contender always
-   runs right after the same one (a step inherits its predecessor's caches and OpenMP
-   team state). Medians, and ratios vs eager and vs the best of eager and
-   ``torch.compile``.
+   runs right after the same one. A block's first step is not timed: it inherits the
+   previous contender's caches and OpenMP team state (on the deep MLP an eager step took
+   8.6 ms right after another contender's step and 6.6 ms after its own), while a user's
+   loop runs one model step after step (``--block 1``: every step timed, one per round).
+   Medians, and ratios vs eager and vs the best of eager and ``torch.compile`` with a 90%
+   bootstrap interval over the rounds (``tools.bench_stats``).
 
 autopar's cost model predicts the run time of each graph's planned program. Once an
 Inductor tier has landed, autopar no longer runs those programs, so a fourth contender,
@@ -40,6 +44,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import shutil
 import statistics
@@ -74,8 +79,8 @@ CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
 #: Contenders that are references, not peers (never the "best" autopar is compared with).
 PROBES = ("autopar", "autopar-plans")
 #: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
-QUICK = {"models": ["deep_mlp"], "steps": 5, "warmup": 1, "settle_steps": 25}
-DEFAULTS = {"steps": 20, "warmup": 3, "settle_steps": 60}
+QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "block": 3}
+DEFAULTS = {"steps": 60, "warmup": 3, "settle_steps": 60, "block": 4}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
 NOISY_IQR_PCT = 50
 
@@ -133,6 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="untimed interleaved rounds after autopar settled, before timing (default "
         f"{DEFAULTS['warmup']})",
+    )
+    parser.add_argument(
+        "--block",
+        type=positive_int,
+        default=None,
+        help="consecutive steps of a contender per round, the first one untimed (default "
+        f"{DEFAULTS['block']}; 1: every step timed, one per contender and round)",
     )
     parser.add_argument(
         "--settle-steps",
@@ -448,11 +460,14 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
             run(c, record=False)
             if c is ap and c.error is None:  # phase 2, in the same Inductor cache
                 settle = autopar_settle(c, lambda c=c: run(c, record=False), args)
-    for i in range(args.warmup + args.steps):  # phase 3: interleaved rounds
+    timed_per_round = max(args.block - 1, 1)
+    for i in range(args.warmup + math.ceil(args.steps / timed_per_round)):  # phase 3
         k = i % len(contenders)  # rotate who goes first; reverse every other round (ABBA)
         order = contenders[k:] + contenders[:k]
         for c in order[::-1] if i % 2 else order:
-            run(c, record=i >= args.warmup)
+            for j in range(args.block):  # a block's first step pays for the last one's caches
+                timed = i >= args.warmup and (j > 0 or args.block == 1)
+                run(c, record=timed and len(c.step_s) < args.steps)
     if settle:
         settle = autopar_final(ap, settle)
 

@@ -61,13 +61,24 @@ def race_brief(race: list[dict[str, Any]]) -> str:
     return "/".join(verdicts) if verdicts else "-"
 
 
+def how_timed(steps, warmup, block) -> str:
+    """``60 steps in interleaved blocks of 4 (...) after 3 warm-up rounds``; bench files
+    from before ``--block`` (every step timed, one per round) read as block 1."""
+    if block == 1:
+        return f"{steps} interleaved steps after {warmup} warm-up"
+    return (
+        f"{steps} steps in interleaved blocks of {block} (each block's first step untimed) "
+        f"after {warmup} warm-up rounds"
+    )
+
+
 def format_result(res: dict[str, Any], args) -> str:
     """The table of one model, as printed."""
     lines = [
         f"== {res['model']}: {res['description']}",
         f"   input {' + '.join('x'.join(map(str, s)) for s in res['input_shapes'])}, "
         f"{res['parameters']:,} parameters, {args.optimizer.upper()}, median of "
-        f"{args.steps} interleaved steps after {args.warmup} warm-up",
+        f"{how_timed(args.steps, args.warmup, args.block)}",
         f"   machine before: {describe_state(res.get('machine_before'))}; after: "
         f"{describe_state(res.get('machine_after'))}"
         + (f"; attempt {res['attempt']}" if res.get("attempt", 1) > 1 else "")
@@ -318,6 +329,7 @@ def meta(args, default_threads: int) -> dict[str, Any]:
         "optimizer": args.optimizer,
         "steps": args.steps,
         "warmup": args.warmup,
+        "block": getattr(args, "block", 1),
         "settle_steps": args.settle_steps,
         "streams": args.streams,
         "policy": args.policy,
@@ -385,10 +397,11 @@ def readme_table(doc: dict[str, Any], source: str) -> str:
     """
     m = doc["meta"]
     derived = not all(r.get("time") for r in doc["results"])
+    timed = how_timed(m.get("steps", "?"), m.get("warmup", "?"), m.get("block", 1))
     intro = (
         f"Training step (zero_grad + forward + loss + backward + {m.get('optimizer', '?').upper()} "
-        f"step), median of {m.get('steps', '?')} interleaved steps after {m.get('warmup', '?')} "
-        f"warm-up; ratio = eager time / contender time (> 1 is faster). Measured by `autopar "
+        f"step), median of {timed}"
+        f"; ratio = eager time / contender time (> 1 is faster). Measured by `autopar "
         f"bench` on {_machine(m)}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}, "
         f"{m.get('intra_op_threads', '?')} intra-op threads, Inductor cache "
         f"{m.get('inductor_cache', '?')}; table generated from `{source}` by "
