@@ -240,3 +240,18 @@ def test_two_threads_each_training_its_own_model_started_together():
             for g, h in grads:
                 torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
         assert any(results[i][0] == {"plan"} for i in range(2))
+
+
+def test_instances_of_one_class_compile_apart_and_leave_dynamo_config_as_it_was():
+    """More compiled instances of one class than Dynamo's default recompile limit (8) each
+    get their graphs (a cache region and limit per module where torch offers them, else a
+    raised limit during calls); no Dynamo setting is left changed after a call."""
+    cfg = torch._dynamo.config
+    before = (cfg.skip_nnmodule_hook_guards, cfg.recompile_limit)
+    x = torch.randn(4, 8)
+    for _ in range(9):
+        m = _mlp()
+        cm = autopar.compile(m, store=ProfileStore.memory(), race=False, adapt=False)
+        torch.testing.assert_close(cm(x), m(x))
+        assert autopar.graphs(cm), "Dynamo ran the module eagerly: recompile limit hit"
+        assert (cfg.skip_nnmodule_hook_guards, cfg.recompile_limit) == before

@@ -76,7 +76,9 @@ class CompiledModule(nn.Module):
         # Not registered as a submodule: it wraps the same model and would show up twice.
         # The backend is Pipeline.backend: Capture.backend plus the compile's log lines.
         object.__setattr__(
-            self, "_autopar_compiled", dynamo_compile(model, self._autopar_pipeline)
+            self,
+            "_autopar_compiled",
+            dynamo_compile(model, self._autopar_pipeline, self._autopar_pipeline.recompile_limit),
         )
         self._autopar_signature = _signature_of(model)
         self._autopar_lock = threading.Lock()

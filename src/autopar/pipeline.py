@@ -25,11 +25,15 @@ from autopar.adapt.monitor import (
     AdaptOptions,
     Monitor,
     describe_key,
-    dynamo_limit,
     input_key,
+)
+from autopar.adapt.shapes import (
+    HookGuardsWhileCompiling,
+    dynamo_limit,
+    dynamo_recompile_limit,
     register_cache_size,
 )
-from autopar.capture.backend import Capture, GraphRecord
+from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
 from autopar.errors import traced_user_error, warn_fallback
 from autopar.logs import CompileProgress
 from autopar.runtime.race import StepRace
@@ -49,7 +53,15 @@ class Pipeline:
         adapt = AdaptOptions() if adapt is True else (adapt or None)
         cache_size = getattr(options, "cache_size", 8)
         self.monitor = Monitor(self, adapt, cache_size)
-        register_cache_size(cache_size)
+        # Dynamo's settings for this module's calls (adapt.shapes): with a cache region of
+        # its own (torch 2.13) only the hook guards, while compiling; else dynamo_limit().
+        self.recompile_limit = max(cache_size, dynamo_recompile_limit())
+        self._hook_guards = HookGuardsWhileCompiling()
+        if dynamo_regions():
+            self._dynamo_settings = lambda: self._hook_guards
+        else:
+            register_cache_size(cache_size)
+            self._dynamo_settings = dynamo_limit
         self.race = StepRace(enabled=getattr(options, "race", True))
         self.key = None  # the input signature of the step that runs now
         self._rnn_present: bool | None = None
@@ -125,7 +137,7 @@ class Pipeline:
         self.monitor.begin_step(key, lambda: describe_key(key))
         self._call = t0
         try:
-            with dynamo_limit():
+            with self._dynamo_settings():
                 if self.options.rnn == "unroll" and self._has_rnn(model):
                     from autopar.rnn.rewrite import rewrite_rnns
 
@@ -150,6 +162,7 @@ class Pipeline:
         (its reason: the first call, a new input signature, Dynamo's recompile reason)
         and one for the capture. ``autopar.compile`` and ``backend="autopar"`` both come
         through here."""
+        self._hook_guards.arm()  # Dynamo builds this frame's guards after we return
         why = _dynamo_reason()
         progress = self._episode(f"Dynamo: {why}" if why else None)
         n = len(self.records)

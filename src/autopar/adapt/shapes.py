@@ -67,8 +67,8 @@ class PlanCache:
                     f"autopar: dynamic-shape thrash: {len(self.seen)} distinct input signatures "
                     f"but cache_size={self.size}; every new one is profiled and planned again. "
                     "Pad or bucket shapes (e.g. sequence length to a multiple of 64, a fixed "
-                    f"batch size with drop_last=True), or raise cache_size (Dynamo's "
-                    f"recompile limit is {_dynamo_limit()})."
+                    "batch size with drop_last=True), or raise cache_size (autopar raises "
+                    "Dynamo's recompile limit for the module to at least cache_size)."
                 )
                 log.warning(msg)
         return False
@@ -79,7 +79,8 @@ class PlanCache:
             groups.add(group)
 
 
-def _dynamo_limit() -> int:
+def dynamo_recompile_limit() -> int:
+    """Dynamo's process-wide recompile limit now (``cache_size_limit`` before torch 2.6)."""
     cfg = torch._dynamo.config
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
@@ -94,9 +95,54 @@ def register_cache_size(cache_size: int) -> None:
         _limit_total[0] += cache_size
 
 
+class HookGuardsWhileCompiling:
+    """``skip_nnmodule_hook_guards=False`` only while Dynamo compiles one of the module's
+    frames: a hook added to a submodule after the first call then fails a guard and
+    recompiles, as in eager it takes effect at once (Dynamo's default skips those guards).
+
+    Used where ``capture.backend.dynamo_compile`` gave the module its own Dynamo cache region
+    and recompile limit (torch 2.13's ``isolate_recompiles``/``recompile_limit``), so that
+    nothing else needs setting per call. Dynamo builds a frame's guards after the backend
+    returned, in the same compile: the backend calls :meth:`arm`, the compiled call's
+    ``with`` block restores the setting on exit. A call that compiles nothing costs an
+    attribute check (the per-call :func:`dynamo_limit` cost 22 us a forward on a small MLP,
+    measured 2026-11-30: its config reads and writes, and Dynamo's slower path after them).
+
+    Example::
+
+        >>> guards = HookGuardsWhileCompiling()
+        >>> with guards:
+        ...     guards.arm()
+        ...     torch._dynamo.config.skip_nnmodule_hook_guards
+        False
+        >>> torch._dynamo.config.skip_nnmodule_hook_guards   # restored
+        True
+    """
+
+    __slots__ = ("old",)
+
+    def __init__(self):
+        self.old: bool | None = None
+
+    def arm(self) -> None:
+        cfg = torch._dynamo.config
+        if self.old is None and cfg.skip_nnmodule_hook_guards:
+            self.old = True
+            cfg.skip_nnmodule_hook_guards = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.old is not None:
+            torch._dynamo.config.skip_nnmodule_hook_guards = self.old
+            self.old = None
+
+
 def dynamo_limit() -> _DynamoSettings:
-    """The Dynamo settings for one compiled call (restored on exit: the process-wide
-    settings are never left changed).
+    """The Dynamo settings for one compiled call, where the module shares Dynamo's cache
+    region with every other compiled instance of its class (torch before 2.13); restored
+    on exit: the process-wide settings are never left changed.
 
     * Dynamo stops compiling a code object after ``recompile_limit`` graphs (then runs it
       eagerly), counting the graphs of *every* instance of a class against one limit.

@@ -511,7 +511,30 @@ def without_aot_first_call_check():
         yield
 
 
-def dynamo_compile(module: torch.nn.Module, capture: Capture):
+def dynamo_regions() -> bool:
+    """Whether ``torch.compile`` takes ``recompile_limit`` and ``isolate_recompiles``
+    (torch 2.13): a compiled module can have its own Dynamo cache region and limit."""
+    import inspect
+
+    params = inspect.signature(torch.compile).parameters
+    return "isolate_recompiles" in params and "recompile_limit" in params
+
+
+def dynamo_compile(module: torch.nn.Module, capture, recompile_limit: int | None = None):
     """``torch.compile`` the module with ``capture.backend``, static shapes (a new shape
-    gets its own graphs), errors raised rather than hidden so ``api`` can fall back."""
+    gets its own graphs), errors raised rather than hidden so ``api`` can fall back.
+
+    Where :func:`dynamo_regions` holds, the module gets its own Dynamo cache region
+    (``isolate_recompiles``): a call looks up only this module's graphs, not those of every
+    compiled instance of its class, and ``recompile_limit`` (Dynamo applies it only while
+    compiling) counts this module's graphs alone."""
+    if dynamo_regions():
+        return torch.compile(
+            module,
+            backend=capture.backend,
+            dynamic=False,
+            fullgraph=False,
+            recompile_limit=recompile_limit,
+            isolate_recompiles=True,
+        )
     return torch.compile(module, backend=capture.backend, dynamic=False, fullgraph=False)
