@@ -17,7 +17,7 @@ pass"``, run while the model's first training step profiles it; killed right aft
    the script waits until ``quiet-check`` says the machine is quiet;
 3. ``--steps`` training steps; per step, the sum over graphs of the measured program times
    and of the predictions (``autopar.stats(per="graph")``, rows run by the planned program),
-   compared as ``autopar bench`` does (``autopar.tools.bench.cost_model_check``).
+   compared as ``autopar bench`` does (``autopar.tools.bench_settle.cost_model_check``).
 
 With ``--reuse`` the profile is the first step of one compile, into a store on disk, and is
 then *used* by a second compile of a fresh copy of the model, after the hogs are gone and
@@ -48,8 +48,8 @@ import torch
 
 import autopar
 from autopar.profiling.store import ProfileStore
-from autopar.tools.bench import cost_model_check
 from autopar.tools.bench_models import BENCH_MODELS, default_models, make_loss
+from autopar.tools.bench_settle import cost_model_check
 
 QUIET_CHECK = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools", "quiet-check")
 

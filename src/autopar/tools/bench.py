@@ -72,7 +72,13 @@ from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench'
     tier_on,
     write_csv,
 )
-from autopar.tools.bench_settle import autopar_final, autopar_settle, inductor_cache
+from autopar.tools.bench_settle import (
+    autopar_final,
+    autopar_prediction,
+    autopar_settle,
+    cost_model_check,
+    inductor_cache,
+)
 from autopar.tools.bench_stats import ratio_interval
 
 CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
@@ -353,69 +359,6 @@ def _make_contenders(model: nn.Module, args) -> list[Contender]:
                                                "race": False})  # fmt: skip
         out.append(Contender(name, module, _optimizer(args.optimizer, m)))
     return out
-
-
-def autopar_prediction(cmodel) -> dict[str, Any]:
-    """What autopar's plans of a compiled model predict, from its captured graph records.
-
-    Returns predicted and serial forward+backward seconds summed over the planned graphs, the
-    policies and stream counts used, and the graphs that fell back to eager (not predicted)."""
-    pipeline = getattr(cmodel, "_autopar_pipeline", None)
-    records = list(getattr(pipeline, "records", []) or [])
-    plans = [r.plan for r in records if r.plan is not None]
-    states = getattr(getattr(pipeline, "monitor", None), "_states", {}) or {}
-    return {
-        "graphs": [r.tag for r in records],
-        "planned": [r.tag for r in records if r.plan is not None],
-        "fallbacks": {r.tag: r.fallback for r in records if r.fallback},
-        "predicted_s": sum(p.predicted_step_time for p in plans) if plans else None,
-        "serial_s": sum(p.serial_time for p in plans) if plans else None,
-        "lower_bound_s": sum(p.lower_bound for p in plans) if plans else None,
-        "policies": sorted({p.policy for p in plans}),
-        "streams": max((len(p.streams) for p in plans), default=0),
-        "replans": sum(getattr(st, "replans", 0) for st in states.values()),
-        "compile_breakdown_s": {
-            "capture": max((r.capture_s for r in records), default=0.0),
-            **{
-                stage: sum(r.timings.get(stage, 0.0) for r in records)
-                for stage in ("profile", "plan", "codegen")
-            },
-        },
-    }
-
-
-def cost_model_check(cmodel, steps: int) -> dict[str, Any]:
-    """The cost model against the monitor's measurements of the planned programs.
-
-    From ``autopar.stats(cmodel, per="graph")``: the calls run by a planned program
-    (``executor == "plan"``), grouped by step; over the last ``steps`` steps in which every
-    planned graph ran, the median of (sum of measured graph seconds) / (sum of predicted).
-    Returns ``predicted_fwbw_ms``, ``plan_measured_fwbw_ms`` (medians over those steps) and
-    ``prediction_error_pct`` (+: the model predicts too slow), or Nones without such steps.
-    """
-    from autopar.adapt.monitor import stats
-
-    none = {"predicted_fwbw_ms": None, "plan_measured_fwbw_ms": None,
-            "prediction_error_pct": None}  # fmt: skip
-    try:
-        df = stats(cmodel, per="graph")
-    except TypeError:
-        return none
-    df = df[df["executor"] == "plan"]
-    if df.empty:
-        return none
-    graphs = df["graph"].nunique()
-    per_step = df.groupby("step").agg(n=("graph", "nunique"), predicted=("predicted_s", "sum"),
-                                      measured=("measured_s", "sum"))  # fmt: skip
-    per_step = per_step[per_step["n"] == graphs].tail(steps)
-    if per_step.empty:
-        return none
-    ratio = statistics.median(per_step["measured"] / per_step["predicted"])
-    return {
-        "predicted_fwbw_ms": statistics.median(per_step["predicted"]) * 1e3,
-        "plan_measured_fwbw_ms": statistics.median(per_step["measured"]) * 1e3,
-        "prediction_error_pct": 100.0 * (1.0 / ratio - 1.0),
-    }
 
 
 # -- one model ---------------------------------------------------------------------------------
