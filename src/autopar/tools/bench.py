@@ -18,9 +18,8 @@ backward -> optimizer.step``. The run of one model has three phases:
    consecutive steps of every contender, in a rotating order reversed every other round
    (ABBA), so a slow phase of the machine hits all of them alike and no contender always
    runs right after the same one. A block's first step is not timed: it inherits the
-   previous contender's caches and OpenMP team state (on the deep MLP an eager step took
-   8.6 ms right after another contender's step and 6.6 ms after its own), while a user's
-   loop runs one model step after step (``--block 1``: every step timed, one per round).
+   previous contender's caches and OpenMP team state, while a user's loop runs one model
+   step after step (``--block 1``: every step timed, one per contender and round).
    Medians, and ratios vs eager and vs the best of eager and ``torch.compile`` with a 90%
    bootstrap interval over the rounds (``tools.bench_stats``).
 
