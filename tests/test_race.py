@@ -60,3 +60,20 @@ def test_slow_compiled_program_hands_training_to_eager():
     assert "-> eager" in autopar.explain(cmodel)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # training went on correctly
+
+
+def test_a_near_tie_races_on_before_deciding():
+    """Medians within UNCLEAR after SAMPLES steps each: no verdict yet; the race goes on
+    (up to MAX_SAMPLES each), and then the margin decides."""
+    from autopar.runtime.race import MAX_SAMPLES, UNCLEAR
+
+    race = StepRace()
+    t, n = 0.0, 0
+    while race.report().get("k", (None,))[0] is None and n < 4 * MAX_SAMPLES:
+        who = race.choose("k", t)
+        t += 1.0 + (UNCLEAR / 2 if who == "compiled" else 0.0)  # compiled 1.5% slower
+        n += 1
+        if n == 2 + 2 * SAMPLES:
+            assert race.report()["k"][0] is None and "racing on" in race.report()["k"][1]
+    verdict, why = race.report()["k"]
+    assert verdict == "eager" and f"{MAX_SAMPLES} + {MAX_SAMPLES}" in why, why

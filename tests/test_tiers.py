@@ -153,7 +153,7 @@ def test_a_ready_tier_still_lands_after_the_race_chose_eager(always_land):
     cmodel = autopar.compile(model, inductor=True, background=True,
                              store=ProfileStore.memory())  # fmt: skip
     race = cmodel._autopar_pipeline.race
-    race.samples, race.margin = 2, 0.0  # compiled never wins: the verdict will be eager
+    race.samples, race.max_samples, race.margin = 2, 2, 0.0  # compiled never wins: eager
     x = torch.randn(8, 16)
     for _ in range(8):
         cmodel(x).sum().backward()

@@ -14,12 +14,14 @@ backward -> optimizer.step``. The run of one model has three phases:
    verdict (at most ``--settle-steps``). The table reports how long this took, which executor
    runs each graph, and the race verdict.
 3. **Steady state**, interleaved: ``--warmup`` untimed rounds, then rounds until
-   ``--steps`` steps per contender were timed. Each round runs a block of ``--block``
-   consecutive steps of every contender, in a rotating order reversed every other round
-   (ABBA), so a slow phase of the machine hits all of them alike and no contender always
-   runs right after the same one. A block's first step is not timed: it inherits the
-   previous contender's caches and OpenMP team state, while a user's loop runs one model
-   step after step (``--block 1``: every step timed, one per contender and round).
+   ``--steps`` steps per contender were timed. Each round runs one step of every
+   contender, in a rotating order reversed every other round (ABBA), so a slow phase of
+   the machine hits all of them alike and no contender always runs right after the same
+   one. ``--block N`` runs N consecutive steps of each contender per round instead and
+   times all but the first (which inherits the previous contender's caches): a warm steady
+   state, as in a user's loop. Not the default: the cost model's context term
+   (``planning.costmodel.context_s``) is calibrated on one step per round, and with blocks
+   of 4 the planned programs ran 20-60% faster than predicted (2026-11-30).
    Medians, and ratios vs eager and vs the best of eager and ``torch.compile`` with a 90%
    bootstrap interval over the rounds (``tools.bench_stats``).
 
@@ -84,8 +86,8 @@ CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
 #: Contenders that are references, not peers (never the "best" autopar is compared with).
 PROBES = ("autopar", "autopar-plans")
 #: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
-QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "block": 3}
-DEFAULTS = {"steps": 60, "warmup": 3, "settle_steps": 60, "block": 4}
+QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "block": 1}
+DEFAULTS = {"steps": 60, "warmup": 3, "settle_steps": 300, "block": 1}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
 NOISY_IQR_PCT = 50
 
@@ -148,8 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block",
         type=positive_int,
         default=None,
-        help="consecutive steps of a contender per round, the first one untimed (default "
-        f"{DEFAULTS['block']}; 1: every step timed, one per contender and round)",
+        help="consecutive steps of a contender per round, all but the first timed: a warm "
+        f"steady state (default {DEFAULTS['block']}: one step per contender and round, "
+        "every step timed)",
     )
     parser.add_argument(
         "--settle-steps",
