@@ -255,3 +255,14 @@ def test_instances_of_one_class_compile_apart_and_leave_dynamo_config_as_it_was(
         torch.testing.assert_close(cm(x), m(x))
         assert autopar.graphs(cm), "Dynamo ran the module eagerly: recompile limit hit"
         assert (cfg.skip_nnmodule_hook_guards, cfg.recompile_limit) == before
+
+
+def test_backend_autopar_leaves_dynamo_hook_guard_setting_as_it_was():
+    """``torch.compile(backend="autopar")`` has no autopar call around Dynamo's: the hook
+    guards are not switched on there, so nothing would restore them."""
+    before = torch._dynamo.config.skip_nnmodule_hook_guards
+    x = torch.randn(4, 8)
+    m = _mlp()
+    cm = torch.compile(m, backend="autopar", options={"store": ProfileStore.memory()})
+    torch.testing.assert_close(cm(x), m(x))
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == before

@@ -162,7 +162,8 @@ class Pipeline:
         (its reason: the first call, a new input signature, Dynamo's recompile reason)
         and one for the capture. ``autopar.compile`` and ``backend="autopar"`` both come
         through here."""
-        self._hook_guards.arm()  # Dynamo builds this frame's guards after we return
+        if self._call is not None:  # inside Pipeline.call, whose `with` block restores it
+            self._hook_guards.arm()  # Dynamo builds this frame's guards after we return
         why = _dynamo_reason()
         progress = self._episode(f"Dynamo: {why}" if why else None)
         n = len(self.records)
