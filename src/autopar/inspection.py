@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.adapt.monitor import describe_key
+from autopar.adapt.shapes import describe_key
 from autopar.capture.backend import GraphUnit
 
 _EMPTY = "# nothing compiled yet: call the model once (and .backward()) first\n"

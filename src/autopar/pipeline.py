@@ -21,16 +21,13 @@ import warnings
 import torch
 import torch.nn as nn
 
-from autopar.adapt.monitor import (
-    AdaptOptions,
-    Monitor,
-    describe_key,
-    input_key,
-)
+from autopar.adapt.monitor import AdaptOptions, Monitor
 from autopar.adapt.shapes import (
     HookGuardsWhileCompiling,
+    describe_key,
     dynamo_limit,
     dynamo_recompile_limit,
+    input_key,
     register_cache_size,
 )
 from autopar.capture.backend import Capture, GraphRecord, dynamo_regions

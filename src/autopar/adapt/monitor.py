@@ -48,13 +48,7 @@ from typing import Any
 
 import torch
 
-from autopar.adapt.shapes import (  # noqa: F401 - re-exported: the pipeline uses them
-    PlanCache,
-    describe_key,
-    dynamo_limit,
-    input_key,
-    register_cache_size,
-)
+from autopar.adapt.shapes import PlanCache
 
 log = logging.getLogger("autopar")
 

@@ -3,7 +3,8 @@
 A compiled model keeps one set of plans per input signature (shapes, dtypes, train/eval,
 grad mode, autocast dtype, thread count) in an LRU of ``cache_size`` entries; each miss logs
 one line, and more distinct signatures than the cache holds ("dynamic-shape thrash") are
-reported once with advice. Split from ``autopar.adapt.monitor``, which re-exports these names.
+reported once with advice; and the Dynamo settings a compiled call needs. Split from
+``autopar.adapt.monitor``; the pipeline imports these names from here.
 """
 
 from __future__ import annotations

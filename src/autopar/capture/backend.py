@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import re
@@ -511,6 +512,7 @@ def without_aot_first_call_check():
         yield
 
 
+@functools.cache
 def dynamo_regions() -> bool:
     """Whether ``torch.compile`` takes ``recompile_limit`` and ``isolate_recompiles``
     (torch 2.13): a compiled module can have its own Dynamo cache region and limit."""
