@@ -77,3 +77,22 @@ def test_a_near_tie_races_on_before_deciding():
             assert race.report()["k"][0] is None and "racing on" in race.report()["k"][1]
     verdict, why = race.report()["k"]
     assert verdict == "eager" and f"{MAX_SAMPLES} + {MAX_SAMPLES}" in why, why
+
+
+def test_an_added_contender_takes_turns_and_wins_when_fastest():
+    """A whole-graph candidate joins the race (``add``): the race restarts with three
+    contenders in turn; it wins when its median is below ADDED_MARGIN times compiled's,
+    and a near-tie (1% faster) keeps ``compiled``."""
+    for joint_s, expected in ((0.8, "joint"), (0.99, "compiled")):
+        race = StepRace()
+        t, turns = 0.0, []
+        race.choose("k", t)
+        race.add("joint")
+        while race.report()["k"][0] is None and len(turns) < 200:
+            who = race.choose("k", t)
+            turns.append(who)
+            t += {"eager": 2.0, "compiled": 1.0, "joint": joint_s}[who]
+        assert set(turns[:3]) == {"eager", "compiled", "joint"}, turns[:3]
+        verdict, why = race.report()["k"]
+        assert verdict == expected, why
+        assert "vs joint" in why and f"-> {expected}" in why

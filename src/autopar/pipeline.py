@@ -64,10 +64,11 @@ class Pipeline:
         self._rnn_present: bool | None = None
         from autopar.rnn.fuse import fuse_cell_loops
 
-        self.capture = Capture(
-            prepare=self.prepare, on_call=self.on_call, graph_passes=(fuse_cell_loops,)
-        )
         self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
+        self.capture = Capture(
+            prepare=self.prepare, on_call=self.on_call, graph_passes=(fuse_cell_loops,),
+            on_graph_call=self.on_graph_call if self.tiers is not None else None,
+        )  # fmt: skip
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
         self._nudged: dict = {}  # input key -> pending tiers when a ready tier got a step
@@ -76,6 +77,8 @@ class Pipeline:
         self._next: tuple[float, str] | None = None  # (start, reason): this step may compile
         self._call: float | None = None  # start of the forward call under way (None: none)
         self._last_key = None
+        self.variant: str | None = None  # the race's contender this step, beyond "compiled"
+        self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
 
     def _has_rnn(self, model: nn.Module) -> bool:
         """Whether ``model`` holds an RNN module to rewrite; looked up once (walking every
@@ -115,6 +118,11 @@ class Pipeline:
         self.key = key
         t0 = time.perf_counter()
         path = self.race.choose(key, t0)
+        if self._racing and self.race.verdict(key) is not None:
+            self._settle_graphs(key)
+        self.variant = None
+        if path not in ("eager", "compiled"):  # a whole-graph candidate's turn (or verdict)
+            self.variant, path = path, "compiled"
         if self.tiers is not None:
             self.tiers.poll()
             pending = self.tiers.pending()
@@ -270,9 +278,50 @@ class Pipeline:
         _write_debug(record, debug_dir, self.name)
         return out, record.runner
 
+    def on_graph_call(self, graph, args):
+        """A call of a whole Dynamo graph while a whole-graph tier may still land for it
+        (``Tiers.maybe_land_graph``). A compiled candidate races the graph's runner over
+        whole steps (``runtime.race``: the race's ``"joint"`` steps run it), or, with the
+        race off, lands by a timed forward and backward. Once nothing is left, the graph's
+        calls go straight to its runner (``graph.on_call = None``)."""
+        tiers = self.tiers
+        if tiers.measuring:  # a timed forward and backward of the tier's measurement
+            return graph.runner(*args)
+        if graph.candidate is None:
+            state = tiers.maybe_land_graph(graph, args, self.capture.group(graph.group),
+                                           by_steps=self.race.enabled)  # fmt: skip
+            if state in ("ready", "landed", "kept"):  # this step compiled: not a race sample
+                self.race.mark_dirty(self.key)
+            if state == "ready":
+                graph.candidate = tiers.ready_program(graph)
+                self._racing[graph] = self.key
+                self.race.add("joint")
+            elif state == "landed":
+                self.race.reset()
+            if state in ("landed", "kept", "done"):
+                graph.on_call = None
+        if graph.candidate is not None and self.variant == "joint":
+            return graph.candidate.fn(*args)
+        return graph.runner(*args)
+
+    def _settle_graphs(self, key) -> None:
+        """The race of ``key`` has a verdict: each Dynamo graph racing a candidate for that
+        signature keeps its runner or swaps the candidate in (an eager verdict leaves the
+        race's contenders as they are, for a later re-race)."""
+        verdict = self.race.verdict(key)
+        if verdict == "eager":
+            return
+        reason = self.race.report()[key][1]
+        for graph in [g for g, k in self._racing.items() if k == key]:
+            del self._racing[graph]
+            self.tiers.settle_graph(graph, self.capture.group(graph.group), verdict, reason)
+            graph.on_call = None
+
     def on_call(self, record: GraphRecord, runner, args):
         """Every call after a graph's first: land a faster tier when one is ready (between
         two calls of the graph), then let the monitor time the call."""
+        if self.tiers is not None and self.tiers.measuring:
+            return runner(args)  # a whole-graph tier's timed run, not a training call
         if self.tiers is not None:
             self.tiers.maybe_land(record, args)
             if record.runner is not runner:  # a tier landed: measure everything afresh
@@ -285,7 +334,9 @@ class Pipeline:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (each lands at its graph's next call)
         and background re-plans are ready. True when nothing is left pending."""
-        done = self.tiers.wait(self.records, timeout) if self.tiers is not None else True
+        done = True
+        if self.tiers is not None:
+            done = self.tiers.wait(self.records, timeout, self.capture.dynamo_graphs)
         self.monitor.wait(timeout)
         return done
 

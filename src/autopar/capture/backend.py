@@ -57,6 +57,9 @@ Prepare = Callable[["GraphRecord", list], tuple[Any, Callable[[list], Any]]]
 # Optional hook around every later call: ``on_call(record, runner, args) -> outputs``
 # (``autopar.adapt.monitor`` times calls there, re-profiles and swaps programs).
 OnCall = Callable[["GraphRecord", Callable[[list], Any], list], Any]
+# Optional hook around every call of a Dynamo graph: ``on_graph_call(graph, args) ->
+# outputs``, where ``graph.runner(*args)`` runs it (the pipeline lands whole-graph tiers).
+OnGraphCall = Callable[["DynamoGraph", tuple], Any]
 
 
 def node_key(graph_tag: str, node_name: str) -> str:
@@ -163,6 +166,38 @@ class GraphRecord:
 
     def __repr__(self) -> str:
         return f"GraphRecord({self.unit!r}, calls={self.calls})"
+
+
+class DynamoGraph:
+    """One Dynamo graph ``g<k>`` at run time: the callable Dynamo calls. ``runner(*args)``
+    runs it: AOTAutograd over autopar's recorded forward and backward graphs
+    (``captured``), until a whole-graph executor replaces both halves at once (a tier,
+    ``autopar.runtime.joint_tier``), between two calls. ``on_call`` (None: call ``runner``
+    directly) sees every call while something may still be swapped in."""
+
+    def __init__(self, group: int, gm: fx.GraphModule, runner: Callable[..., Any],
+                 on_call: OnGraphCall | None = None):  # fmt: skip
+        self.group = group
+        self.gm = gm  # after the graph passes: what AOTAutograd traced
+        self.captured = runner
+        self.runner = runner
+        self.executor = "per-graph"  # the executors of g<k>.fw and g<k>.bw, each its own
+        # A whole-graph program racing ``runner`` over whole steps (``runtime.race``): the
+        # pipeline's ``on_call`` picks one of them per step until the race decides.
+        self.candidate: Any = None
+        self.on_call = on_call
+        self.lock = threading.RLock()
+
+    tag = property(lambda self: f"g{self.group}")
+
+    def __call__(self, *args: Any) -> Any:
+        on_call = self.on_call
+        if on_call is None:
+            return self.runner(*args)
+        return on_call(self, args)
+
+    def __repr__(self) -> str:
+        return f"DynamoGraph({self.tag}, executor={self.executor!r})"
 
 
 def run_serially(record: GraphRecord, args: list) -> tuple[Any, Callable[[list], Any]]:
@@ -321,11 +356,14 @@ class Capture:
         prepare: Prepare = run_serially,
         on_call: OnCall | None = None,
         graph_passes: tuple[GraphPass, ...] = (),
+        on_graph_call: OnGraphCall | None = None,
     ):
         self.prepare = prepare
         self.on_call = on_call
         self.graph_passes = graph_passes
+        self.on_graph_call = on_graph_call
         self.records: list[GraphRecord] = []
+        self.dynamo_graphs: list[DynamoGraph] = []
         # Per Dynamo graph k: its nodes' source lines, and those of AOT's forward nodes by
         # seq_nr (a backward node carries the seq_nr of the forward op it differentiates).
         self._sources: dict[int, _Sources] = {}
@@ -334,6 +372,10 @@ class Capture:
 
     def graphs(self, phase: str | None = None) -> list[GraphRecord]:
         return [r for r in self.records if phase is None or r.phase == phase]
+
+    def group(self, k: int) -> list[GraphRecord]:
+        """The recorded graphs of Dynamo graph ``k`` (``g<k>.fw``, ``g<k>.bw``, ...)."""
+        return [r for r in self.records if r.group == k]
 
     def _compiler(self, tag: str, phase: str, t0: float, group: int):
         def compile_graph(gm: fx.GraphModule, example_inputs):
@@ -366,7 +408,10 @@ class Capture:
                 bw_compiler=self._compiler(f"g{k}.bw", "backward", t0, k),
                 inference_compiler=self._compiler(f"g{k}.inf", "forward", t0, k),
             )
-            return compiler(gm, example_inputs)
+            graph = DynamoGraph(k, gm, compiler(gm, example_inputs), self.on_graph_call)
+            with self._lock:
+                self.dynamo_graphs.append(graph)
+            return graph
         except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
             from torch._dynamo.exc import RestartAnalysis
 
@@ -470,6 +515,7 @@ def _first_call_node(gm: fx.GraphModule) -> fx.Node | None:
 
 __all__ = [
     "Capture",
+    "DynamoGraph",
     "FallbackWarning",
     "GraphPass",
     "GraphRecord",
@@ -477,6 +523,7 @@ __all__ = [
     "Provenance",
     "LazyGraph",
     "OnCall",
+    "OnGraphCall",
     "failing_node",
     "node_key",
     "run_serially",

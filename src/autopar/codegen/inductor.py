@@ -144,12 +144,36 @@ def start_warmup(gm: fx.GraphModule, example_args: list, tag: str) -> subprocess
     fd, path = tempfile.mkstemp(prefix="autopar-inductor-", suffix=".pt")
     os.close(fd)
     torch.save({"gm": gm, "meta": meta, "tag": tag}, path)
-    env = dict(os.environ)
-    return subprocess.Popen(
-        [sys.executable, "-m", "autopar.codegen.inductor", path, str(os.getpid())],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, start_new_session=True,
+    return spawn_warmup("autopar.codegen.inductor", path)
+
+
+def spawn_warmup(module: str, job: str) -> subprocess.Popen:
+    """``python -m <module> <job file> <our pid>`` in its own session, stdout discarded.
+    Its stderr goes to an unnamed temp file (``proc.log``, read by :func:`warmup_error`),
+    not a pipe: nobody reads a pipe while the child runs, and once Inductor's warnings fill
+    it (64 KiB) the child would block forever."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, job, str(os.getpid())],
+        env=dict(os.environ), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=log, start_new_session=True,
     )  # fmt: skip
+    proc.log = log
+    return proc
+
+
+def warmup_error(proc: subprocess.Popen) -> str:
+    """The last line a finished warm-up wrote to stderr (or its exit status), and close its
+    log; empty when it succeeded."""
+    log = getattr(proc, "log", None)
+    text = ""
+    if log is not None:
+        log.seek(0)
+        text = log.read().decode(errors="replace").strip()
+        log.close()
+    if not proc.returncode:
+        return ""
+    return text.splitlines()[-1] if text else f"exit {proc.returncode}"
 
 
 def input_meta(args: list) -> list:

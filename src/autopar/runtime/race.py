@@ -17,6 +17,13 @@ apart, so the race goes on, up to ``MAX_SAMPLES`` each, before that rule decides
 compiled tier (a faster executor landing, a re-plan) calls :meth:`StepRace.reset`: the race
 runs again, so a later improvement is not locked out by an early verdict.
 
+More compiled contenders can join (:meth:`StepRace.add`): a whole-graph tier whose worth
+only whole steps show (``"joint"``, the Dynamo graph compiled by ``torch.compile``'s own
+pipeline: a forward and backward timed alone misjudged it by 4-8% on the Inception model,
+2026-11-30). They take turns with the others (E C J E C J ...); one wins against ``"compiled"`` only
+with a median below ``ADDED_MARGIN`` times its median, and ties go to ``"compiled"``, then
+to the newer contenders, then to eager.
+
 Assumes one forward call per training step (the common loop); with several forwards per
 step the race compares call-to-call intervals, which still treat both contenders alike on
 average.
@@ -44,14 +51,23 @@ MARGIN = 1.0
 #: MLP kept compiled at 5.53 vs 5.56 ms while 60 interleaved steps then measured it 5%
 #: slower than eager (2026-11-30). Race on instead.
 UNCLEAR = 0.03
+#: An added contender (:meth:`StepRace.add`) must take at most this fraction of the
+#: ``"compiled"`` median to win: the incumbent keeps near-ties, as a tier must beat the
+#: current executor by ``runtime.tiers.LAND_MARGIN``. Needed where a step's interval spans
+#: other work (a loop that also steps other models): the char-LSTM demo's race picked the
+#: joint executor at 72.6 vs 74.8 ms, inside that noise (2026-11-30).
+ADDED_MARGIN = 0.97
 #: At most this many clean steps per contender: a tie within ``UNCLEAR`` costs at most
 #: that much on these steps, and then ``MARGIN`` decides.
 MAX_SAMPLES = 15
 
 
+BASE = ("eager", "compiled")
+
+
 @dataclass
 class _Race:
-    samples: dict[str, list[float]] = field(default_factory=lambda: {"eager": [], "compiled": []})
+    samples: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in BASE})
     verdict: str | None = None
     reason: str = "racing eager and compiled steps"
     last: tuple[str, float] | None = None  # (contender, start time) of the open step
@@ -71,14 +87,17 @@ class StepRace:
     ):
         self.samples, self.margin, self.enabled = samples, margin, enabled
         self.max_samples = max(max_samples, samples)
+        self.contenders: tuple[str, ...] = BASE
         self._races: dict[object, _Race] = {}
         self._lock = threading.Lock()
 
     def choose(self, key, now: float) -> str:
-        """Close the previous step of ``key`` (counting its time) and pick ``"eager"`` or
-        ``"compiled"`` for the step that starts ``now``."""
+        """Close the previous step of ``key`` (counting its time) and pick ``"eager"``,
+        ``"compiled"`` or an added contender for the step that starts ``now``."""
         with self._lock:
-            race = self._races.setdefault(key, _Race())
+            race = self._races.get(key)
+            if race is None:
+                race = self._races[key] = _Race({k: [] for k in self.contenders})
             if race.last is not None and not race.dirty and race.verdict is None:
                 who, t0 = race.last
                 race.samples[who].append(now - t0)
@@ -90,9 +109,21 @@ class StepRace:
                 who = "compiled"  # the very first step compiles: start there
             else:
                 race.turn += 1
-                who = "eager" if race.turn % 2 else "compiled"
+                who = self.contenders[(race.turn - 1) % len(self.contenders)]
             race.last, race.dirty = (who, now), False
             return who
+
+    def add(self, contender: str) -> None:
+        """A new way to run compiled steps is ready: race every signature again, with it."""
+        with self._lock:
+            if contender not in self.contenders:
+                self.contenders = (*self.contenders, contender)
+            self._restart(f"racing again: {contender} ready")
+
+    def verdict(self, key) -> str | None:
+        with self._lock:
+            race = self._races.get(key)
+            return race.verdict if race is not None else None
 
     def mark_dirty(self, key) -> None:
         """Something was compiled, profiled or measured during the open step of ``key``."""
@@ -104,22 +135,37 @@ class StepRace:
     def reset(self) -> None:
         """A new compiled tier landed: race every signature again."""
         with self._lock:
-            for race in self._races.values():
-                race.samples = {"eager": [], "compiled": []}
-                race.verdict, race.reason, race.dirty = None, "racing again: a new tier", True
+            self._restart("racing again: a new tier")
+
+    def _restart(self, reason: str) -> None:
+        for race in self._races.values():
+            race.samples = {k: [] for k in self.contenders}
+            race.verdict, race.reason, race.dirty = None, reason, True
 
     def _decide(self, race: _Race) -> None:
-        e, c = race.samples["eager"], race.samples["compiled"]
-        if len(e) < self.samples or len(c) < self.samples:
+        names = [k for k in self.contenders if k in race.samples]
+        counts = {k: len(race.samples[k]) for k in names}
+        if min(counts.values()) < self.samples:
             return
-        me, mc = statistics.median(e), statistics.median(c)
-        if abs(mc - me) < UNCLEAR * me and min(len(e), len(c)) < self.max_samples:
-            race.reason = f"racing on: medians within {UNCLEAR:.0%} after {len(c)} + {len(e)}"
+        med = {k: statistics.median(race.samples[k]) for k in names}
+        # Eager's median, scaled by the margin, and the added contenders', scaled by theirs,
+        # against "compiled"'s; ties go to "compiled", then to the added ones, then to eager.
+        prefer = ["compiled", *(k for k in names if k not in BASE), "eager"]
+        scale = {"eager": self.margin, "compiled": 1.0}
+        score = {k: med[k] * scale.get(k, 1.0 / ADDED_MARGIN) for k in names}
+        ranked = sorted(prefer, key=lambda k: score[k])  # stable: ties keep `prefer` order
+        best, second = ranked[0], ranked[1]
+        if (abs(score[second] - score[best]) < UNCLEAR * score[best]
+                and min(counts.values()) < self.max_samples):  # fmt: skip
+            steps = " + ".join(str(counts[k]) for k in names[::-1])
+            race.reason = f"racing on: medians within {UNCLEAR:.0%} after {steps}"
             return
-        race.verdict = "compiled" if mc <= self.margin * me else "eager"
+        race.verdict = best
+        others = "".join(f" vs {k} {med[k] * 1e3:.2f} ms" for k in names if k not in BASE)
+        steps = " + ".join(str(counts[k]) for k in ("compiled", "eager", *names[2:]))
         race.reason = (
-            f"median step: compiled {mc * 1e3:.2f} ms vs eager {me * 1e3:.2f} ms "
-            f"({len(c)} + {len(e)} steps) -> {race.verdict}"
+            f"median step: compiled {med['compiled'] * 1e3:.2f} ms vs eager "
+            f"{med['eager'] * 1e3:.2f} ms{others} ({steps} steps) -> {race.verdict}"
         )
 
     def report(self) -> dict[object, tuple[str | None, str]]:

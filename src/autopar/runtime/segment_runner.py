@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -31,7 +30,7 @@ import torch.fx as fx
 
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import Program
-from autopar.codegen.inductor import load_warmup_job, stand_ins
+from autopar.codegen.inductor import load_warmup_job, spawn_warmup, stand_ins
 from autopar.codegen.segments import (
     SEGMENT_CALL_S,
     compile_segments,
@@ -104,11 +103,7 @@ def start_segment_warmup(gm: fx.GraphModule, meta: list, plan: Plan, tag: str):
     names = [n.name for n in gm.graph.nodes]
     job = {"gm": gm, "names": names, "meta": meta, "plan": plan.to_json(), "tag": tag}
     torch.save(job, path)
-    return subprocess.Popen(
-        [sys.executable, "-m", "autopar.runtime.segment_runner", path, str(os.getpid())],
-        env=dict(os.environ), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+    return spawn_warmup("autopar.runtime.segment_runner", path)
 
 
 def _rekey(plan: Plan, key: dict) -> Plan:

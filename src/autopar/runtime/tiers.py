@@ -49,7 +49,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.codegen.inductor import compile_inductor, input_meta, stand_ins, start_warmup
+from autopar.codegen.inductor import (
+    compile_inductor,
+    input_meta,
+    stand_ins,
+    start_warmup,
+    warmup_error,
+)
+from autopar.runtime.joint_tier import (
+    JOINT_MARGIN,
+    joint_parts,
+    ready_to_measure,
+    time_forward_backward,
+    trains,
+    unmeasurable,
+)
 from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
 from autopar.runtime.segment_runner import (
     SEGMENT_MIN_GAIN,
@@ -106,11 +120,20 @@ def _segments(record, meta: list) -> Candidate | None:
     )
 
 
+def _joint(graph, args: list) -> Candidate:
+    warm, build = joint_parts(graph.gm, args, graph.tag)
+    return Candidate("joint", warm=warm, build=build)
+
+
 #: name -> factory(record, input_meta) -> Candidate, or None when it does not apply. A new
 #: tier is one factory here (and its executor's module).
 TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
     "inductor": _inductor,
     "segments": _segments,
+}
+#: The same for whole Dynamo graphs (both halves at once): name -> factory(graph, args).
+GRAPH_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
+    "joint": _joint,
 }
 
 
@@ -118,7 +141,9 @@ TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
 #: on the 2-core box (2026-11-30) they lost to whole-graph Inductor on every graph they were
 #: offered (inception, towers, deep MLP, BERT, GPT-2: 1.1-2x slower), and their compiles
 #: delay the landing of the Inductor tier by tens of seconds.
-DEFAULT_TIERS = ("inductor",)
+#: The joint tier (torch.compile's own pipeline per Dynamo graph) is on: it closed HF BERT's
+#: gap to torch.compile (see docs/executors.md).
+DEFAULT_TIERS = ("inductor", "joint")
 
 
 def default_candidates() -> tuple[str, ...]:
@@ -126,11 +151,11 @@ def default_candidates() -> tuple[str, ...]:
     :data:`DEFAULT_TIERS`."""
     text = os.environ.get("AUTOPAR_TIERS", "")
     names = tuple(n.strip() for n in text.split(",") if n.strip()) or DEFAULT_TIERS
-    unknown = [n for n in names if n not in TIER_CANDIDATES]
+    known = {**TIER_CANDIDATES, **GRAPH_CANDIDATES}
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(
-            f"AUTOPAR_TIERS={text!r}: unknown tier(s) {unknown}; choose from "
-            f"{','.join(TIER_CANDIDATES)}"
+            f"AUTOPAR_TIERS={text!r}: unknown tier(s) {unknown}; choose from {','.join(known)}"
         )
     return names
 
@@ -153,9 +178,13 @@ class Tiers:
         self.background = background
         self.kinds = default_candidates() if candidates is None else tuple(candidates)
         self._tiers: dict[int, _Tier] = {}
+        self._graph_tiers: dict[int, _Tier] = {}  # per Dynamo graph: the joint candidates
         self.events: list[str] = []  # one line per tier that landed, lost or failed
-        # Warm-ups not started yet, in first-call order.
+        # Warm-ups not started yet, in first-call order; whole-graph ones after all others
+        # (they are measured against the per-graph tiers, which must land first).
         self._queue: list[Candidate] = []
+        self._graph_queue: list[Candidate] = []
+        self.measuring = False  # a whole-graph measurement runs: graph calls are not steps
         # Only the processes go to the finalizer: candidates reach back (through their
         # records) to the pipeline that owns this object, which would then never be freed.
         self._procs: list = []
@@ -200,8 +229,109 @@ class Tiers:
         self._build(record, tier)
         self._land(record, tier, args)
 
+    # -- whole Dynamo graphs -------------------------------------------------------------
+    def maybe_land_graph(self, graph, args: list, records: list, by_steps: bool = True) -> str:
+        """At a call of Dynamo graph ``graph`` (its recorded graphs ``records``): at the first
+        call of a training graph, queue its whole-graph candidates (``background=False``:
+        compile them now); once every warm-up is done, both halves ran and their own tiers
+        settled, compile them here. ``by_steps``: return ``"ready"`` (:meth:`ready_program`
+        is then the candidate, for the step race to judge); else time a forward and backward
+        of each against the current executor and maybe swap the fastest in. Returns
+        ``"pending"``, ``"ready"``, ``"landed"``, ``"kept"`` (measured, not swapped) or
+        ``"done"`` (nothing left for this graph)."""
+        self._launch_next()
+        tier = self._graph_tiers.get(id(graph))
+        if tier is None:
+            kinds = [k for k in self.kinds if k in GRAPH_CANDIDATES]
+            if not kinds or not trains(records):
+                return "done"
+            cands = [c for c in (GRAPH_CANDIDATES[k](graph, list(args)) for k in kinds) if c]
+            tier = _Tier(input_meta(args), time.perf_counter(), cands, done=not cands)
+            self._graph_tiers[id(graph)] = tier
+            if self.background:
+                self._graph_queue.extend(cands)
+            else:
+                self._build(graph, tier)
+            return "done" if tier.done else "pending"
+        if tier.done:
+            return "done"
+        if self._queue or self._graph_queue or self._running() or not ready_to_measure(records):
+            return "pending"
+        if any(not self._tiers[id(r)].done for r in records if id(r) in self._tiers):
+            return "pending"  # a half's own tier lands at its next call: measure after that
+        self._reap(graph, tier)
+        self._build(graph, tier)
+        if by_steps:
+            tier.done = True
+            return "ready" if self.ready_program(graph) is not None else "done"
+        return self._land_graph(graph, tier, list(args), records)
+
+    def ready_program(self, graph):
+        """The compiled whole-graph candidate of ``graph`` (the first that compiled), or None."""
+        tier = self._graph_tiers.get(id(graph))
+        progs = [c.program for c in tier.candidates if c.program is not None] if tier else []
+        return progs[0] if progs else None
+
+    def settle_graph(self, graph, records: list, verdict: str, reason: str) -> None:
+        """The step race decided between ``graph``'s runner and its candidate: swap it in
+        (``verdict`` is the candidate's name) or keep the runner; stamp both halves."""
+        prog, graph.candidate = graph.candidate, None
+        tier = self._graph_tiers.get(id(graph))
+        waited = time.perf_counter() - tier.started if tier is not None else 0.0
+        name = next((c.name for c in tier.candidates if c.program is prog), "joint")
+        line = f"whole steps: {reason} (ready {waited:.1f} s after the first call)"
+        if verdict != name:
+            self._event(graph, f"{line}: kept {graph.executor}")
+            for r in records:
+                r.advance("joint", waited, f"{line}: kept {r.executor}")
+            return
+        with graph.lock:
+            graph.runner, graph.executor = prog.fn, name
+        for r in records:
+            r.advance("tier", waited, f"{line}: {name} landed", program=prog.program(r.phase),
+                      executor=name)  # fmt: skip
+        self._event(graph, f"{line}: {name} landed")
+
+    def _land_graph(self, graph, tier: _Tier, args: list, records: list) -> str:
+        tier.done = True
+        ready = {c.name: c.program for c in tier.candidates if c.program is not None}
+        why = unmeasurable(args)
+        if not ready or why:
+            if ready:
+                self._event(graph, f"{', '.join(ready)} not measured ({why}); kept "
+                                   f"{graph.executor}")  # fmt: skip
+            return "kept" if ready else "done"
+        self.measuring = True
+        try:
+            runners = {"current": graph.runner, **{k: p.fn for k, p in ready.items()}}
+            best = time_forward_backward(runners, args)
+        finally:
+            self.measuring = False
+        inf = float("inf")
+        cur = best.get("current", inf)
+        name = min(ready, key=lambda k: best.get(k, inf))
+        waited = time.perf_counter() - tier.started
+        times = ", ".join(f"{k} {best.get(k, inf) * 1e3:.3f} ms" for k in ready)
+        verdict = (f"forward+backward: {times} vs {graph.executor} {cur * 1e3:.3f} ms "
+                   f"(ready {waited:.1f} s after the first call)")  # fmt: skip
+        measured = ((graph.executor, cur),) + tuple((k, best.get(k, inf)) for k in ready)
+        if best.get(name, inf) >= JOINT_MARGIN * cur:
+            self._event(graph, f"{verdict}: kept {graph.executor}")
+            for r in records:
+                r.advance("joint", waited, f"{verdict}: kept {r.executor}")
+            return "kept"
+        prog = ready[name]
+        with graph.lock:
+            graph.runner, graph.executor = prog.fn, name
+        for r in records:  # what runs both halves now, in autopar.explain and the bench
+            r.advance("tier", waited, f"{verdict}: {name} landed", program=prog.program(r.phase),
+                      executor=name, measured=measured)  # fmt: skip
+        self._event(graph, f"{verdict}: {name} landed")
+        return "landed"
+
     def pending(self) -> int:
-        return sum(not t.done for t in self._tiers.values())
+        tiers = (*self._tiers.values(), *self._graph_tiers.values())
+        return sum(not t.done for t in tiers)
 
     def poll(self) -> None:
         """A step boundary: start the next queued warm-up when none is running. (Graph calls
@@ -211,9 +341,10 @@ class Tiers:
     def ready(self) -> bool:
         """Every warm-up has finished and some graph's candidates wait to be measured (at
         that graph's next call)."""
-        return bool(self.pending()) and not self._queue and not self._running()
+        return (bool(self.pending()) and not self._queue and not self._graph_queue
+                and not self._running())  # fmt: skip
 
-    def wait(self, records, timeout: float | None = None) -> bool:
+    def wait(self, records, timeout: float | None = None, graphs=()) -> bool:
         """Block until every background compile has finished and been compiled here (they
         are measured and swapped at each graph's next call). True when nothing is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -232,6 +363,11 @@ class Tiers:
             if tier is not None and not tier.done:
                 self._reap(record, tier)
                 self._build(record, tier)
+        for graph in graphs:
+            tier = self._graph_tiers.get(id(graph))
+            if tier is not None and not tier.done:
+                self._reap(graph, tier)
+                self._build(graph, tier)
         return True
 
     # -- mechanics ----------------------------------------------------------------------
@@ -249,10 +385,12 @@ class Tiers:
         return out
 
     def _launch_next(self) -> None:
-        """Start the next queued warm-up if none is running (one compile process at a time)."""
-        if not self._queue or self._running():
+        """Start the next queued warm-up if none is running (one compile process at a time);
+        whole-graph warm-ups only when no other is queued."""
+        queue = self._queue or self._graph_queue
+        if not queue or self._running():
             return
-        cand = self._queue.pop(0)
+        cand = queue.pop(0)
         try:
             cand.proc = cand.warm()
             self._procs.append(cand.proc)
@@ -271,12 +409,9 @@ class Tiers:
             _LIVE.discard(proc)
             if proc in self._procs:
                 self._procs.remove(proc)
-            if proc.returncode:
-                err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
-                last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
-                log.debug("autopar: %s: %s warm-up failed: %s", record.tag, cand.name, last)
-            if proc.stderr:
-                proc.stderr.close()
+            err = warmup_error(proc)
+            if err:
+                log.debug("autopar: %s: %s warm-up failed: %s", record.tag, cand.name, err)
 
     def _build(self, record, tier: _Tier) -> None:
         for cand in tier.candidates:

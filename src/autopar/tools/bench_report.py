@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-_SHORT = {"inductor": "ind", "plan": "plan", "captured": "capt"}
+_SHORT = {"inductor": "ind", "joint": "joint", "plan": "plan", "captured": "capt"}
 
 
 def _fmt(x: float | None, spec: str, none: str = "-") -> str:

@@ -26,8 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-
 # -- autopar's tiers and race ------------------------------------------------------------------
+#: Executors that only a tier puts in place (a graph runs one from some step after the first).
+TIERS = ("inductor", "segments", "joint")
+
+
 def _settled(pipeline) -> bool:
     """No tier left to land and every input signature's race has a verdict."""
     if pipeline.tiers is not None and pipeline.tiers.pending():
@@ -54,7 +57,7 @@ class TierWatch:
         now = time.perf_counter() - self.t_first
         for u in autopar.api.graphs(self.cmodel):
             if u.tag not in self.stamped and _tier_stamp(u) is not None:
-                self.stamped[u.tag] = now if u.executor == "inductor" else self.first_step_s
+                self.stamped[u.tag] = now if u.executor in TIERS else self.first_step_s
 
     def graphs(self) -> list[dict[str, Any]]:
         import autopar.api
@@ -68,7 +71,7 @@ class TierWatch:
                 "executor": u.executor,
                 "tier": stamp.note if stamp else None,
                 "tier_ready_s": stamp.seconds if stamp else None,
-                "final_since_s": since if u.executor != "inductor" or u.tag in self.stamped
+                "final_since_s": since if u.executor not in TIERS or u.tag in self.stamped
                 else None,
             })  # fmt: skip
         return out

@@ -1,0 +1,257 @@
+"""The joint tier: a whole Dynamo graph compiled by Inductor's own pipeline (``compile_fx``,
+as ``torch.compile`` does), swapped in for both halves at once, only after a measured
+forward and backward (``autopar.runtime.joint_tier``).
+
+Landing is forced here (``JOINT_MARGIN`` raised) where the test is about correctness, not
+about which executor is faster on this machine. The compiles are Inductor's: seconds each,
+so the models are small and few.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from oracle import check_training
+
+import autopar
+import autopar.runtime.tiers as tiers
+from autopar.codegen.joint import dynamo_meta, restore_dynamo_meta, roles, with_roles
+from autopar.profiling.store import ProfileStore
+from autopar.runtime.joint_tier import time_forward_backward, trains, unmeasurable
+from autopar.tools import zoo
+
+
+@pytest.fixture
+def joint_only(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_TIERS", "joint")
+
+
+@pytest.fixture
+def always_land(monkeypatch, joint_only):
+    monkeypatch.setattr(tiers, "JOINT_MARGIN", float("inf"))
+
+
+def _grad_inputs(inputs):
+    """Inputs as the oracle passes them: floating ones require grad (one Dynamo graph)."""
+    return [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+
+
+@pytest.mark.parametrize("name", ["dropout", "inplace_views", "lstm_cells"])
+def test_zoo_trains_like_eager_on_the_joint_executor(name, always_land):
+    """Dropout (the RNG), BatchNorm statistics and in-place views, autopar's fused LSTM
+    cells (custom ops): with the joint executor running both halves, one training step
+    equals eager by the fp64 oracle."""
+    model, inputs = zoo.build(name)
+    compiled = {}
+
+    def compile_fn(m):
+        state = copy.deepcopy(m.state_dict())
+        cm = autopar.compile(m, inductor=True, background=False, race=False,
+                             store=ProfileStore.memory())  # fmt: skip
+        for _ in range(2):  # step 1 compiles, step 2 measures and lands
+            out = cm(*_grad_inputs(inputs))
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+        m.load_state_dict(state)  # the check starts from the model's own state
+        m.zero_grad(set_to_none=True)
+        compiled["m"] = cm
+        return cm
+
+    check_training(model, inputs, compile_fn, opt_name="sgd")
+    executors = {u.tag: u.executor for u in autopar.graphs(compiled["m"])}
+    assert set(executors.values()) == {"joint"}, executors
+
+
+class BranchyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.2))
+        self.b = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.a(x).relu() + self.b(x))
+
+
+def test_background_joint_tier_lands_mid_training_from_a_warm_cache(always_land):
+    """Training starts on autopar's per-graph programs; the joint compile runs in a warm-up
+    process and the training process then hits Inductor's cache; the swap happens at a step
+    boundary, after a forward and backward measured with dropout and BatchNorm undone: the
+    run equals eager's under the same seeds, step by step, buffers included."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = BranchyNet()
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, inductor=True, background=True, race=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    x = torch.randn(8, 16)
+    seen, hits = [], None
+    for step in range(5):
+        outs = []
+        for m, opt in zip((cmodel, eager), opts, strict=True):
+            torch.manual_seed(100 + step)  # the same dropout masks for both
+            out = m(x)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(out.detach())
+            assert torch.equal(torch.get_rng_state(), _after(100 + step, eager, x)), step
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        seen.append({u.executor for u in autopar.graphs(cmodel)})
+        if step == 1:
+            before = counters["inductor"]["fxgraph_cache_hit"]
+            assert autopar.wait(cmodel, timeout=300)  # warm-up done, compiled here
+            hits = counters["inductor"]["fxgraph_cache_hit"] - before
+    assert seen[0] == {"plan"}  # training started at once on the planned programs
+    assert seen[-1] == {"joint"}  # ... and the joint executor landed mid-training
+    assert hits == 2, hits  # forward and backward came from the warm-up's cache
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for b, c in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+    assert "joint landed" in autopar.explain(cmodel)
+    assert "forward+backward" in autopar.explain(cmodel).graphs[0].provenance[-1].note
+
+
+def _after(seed: int, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The generator state after one eager forward from ``seed`` (what training must see)."""
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        copy.deepcopy(model)(x)
+    out = torch.get_rng_state()
+    torch.set_rng_state(state)
+    return out
+
+
+def test_a_tensor_hook_keeps_the_current_executor_and_says_why(always_land):
+    """``autograd.grad`` would run a parameter's tensor hook once per timed run: the joint
+    candidate is not measured, the per-graph executors stay, and the tier line says why;
+    the hook ran exactly once per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    calls = []
+    model[0].weight.register_hook(lambda g: calls.append(1))
+    cmodel = autopar.compile(model, inductor=True, background=False, race=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    for _ in range(3):
+        cmodel(torch.randn(4, 8)).sum().backward()
+    assert len(calls) == 3
+    assert {u.executor for u in autopar.graphs(cmodel)} == {"plan"}
+    assert "not measured (an input that requires grad has a tensor hook" in autopar.explain(
+        cmodel
+    )
+
+
+def test_measuring_a_forward_and_backward_leaves_no_trace():
+    """The timed runs restore buffers and the generator, and accumulate no ``.grad``."""
+    torch.manual_seed(0)
+    lin, bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def fn(w, b, mean, var, x):
+        h = torch.nn.functional.linear(x, w, b)
+        h = torch.nn.functional.batch_norm(h, mean, var, training=True)
+        return torch.nn.functional.dropout(h, 0.5)
+
+    args = [lin.weight, lin.bias, bn.running_mean, bn.running_var, torch.randn(8, 4)]
+    before = [a.detach().clone() for a in args]
+    rng = torch.get_rng_state()
+    best = time_forward_backward({"a": fn, "b": fn}, args, rounds=2)
+    assert set(best) == {"a", "b"} and all(t > 0 for t in best.values())
+    assert all(torch.equal(a, b) for a, b in zip(args, before, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert lin.weight.grad is None and lin.bias.grad is None
+
+
+def test_what_the_joint_tier_applies_to():
+    class R:
+        def __init__(self, tag):
+            self.tag = tag
+
+    assert trains([R("g0.fw")]) and not trains([R("g0.inf")])
+    w = nn.Parameter(torch.ones(2))
+    assert unmeasurable([w]) is None
+    with torch.no_grad():
+        assert "grad disabled" in unmeasurable([w])
+    assert "no input requires grad" in unmeasurable([torch.ones(2)])
+    w.register_hook(lambda g: g)
+    assert "tensor hook" in unmeasurable([w])
+
+
+def test_the_warm_up_job_keeps_what_aot_autograd_reads():
+    """Pickling a Dynamo graph drops its sources and static-input marks, and stand-ins lose
+    ``requires_grad``: both are recorded and put back, or the warm-up would partition (and
+    cache) another joint graph than the training process compiles."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"], seen["args"] = gm, list(example_inputs)
+        return gm.forward
+
+    model = nn.Linear(3, 2)
+    torch.compile(model, backend=backend, dynamic=False)(torch.randn(4, 3))
+    gm, args = seen["gm"], seen["args"]
+    kinds = roles(args)
+    assert sorted(k for k in kinds if k) == ["param", "param"]
+    back = with_roles([torch.zeros(a.shape) for a in args], kinds)
+    assert [isinstance(a, nn.Parameter) for a in back] == [isinstance(a, nn.Parameter)
+                                                           for a in args]  # fmt: skip
+    meta = dynamo_meta(gm)
+    copy_gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    restore_dynamo_meta(copy_gm, meta)
+    marks = {n.name: n.meta.get("tensor_dict") for n in copy_gm.graph.find_nodes(op="placeholder")}
+    assert marks == {n.name: n.meta.get("tensor_dict")
+                     for n in gm.graph.find_nodes(op="placeholder")}  # fmt: skip
+    assert copy_gm.meta["dynamo_compile_id"] == gm.meta["dynamo_compile_id"]
+
+
+def test_the_step_race_judges_the_joint_candidate_and_training_stays_eager_equal(joint_only):
+    """With the race on, the compiled joint candidate races whole steps against the
+    per-graph executors and eager (E C J E C J ...): every kind of step trains exactly as
+    eager does under the same seeds (dropout, BatchNorm), and once the race decides, both
+    halves say what whole steps measured."""
+    torch.manual_seed(0)
+    model = BranchyNet()
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, inductor=True, background=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager)]
+    x = torch.randn(8, 16)
+    ran = set()
+    pipe = cmodel._autopar_pipeline
+    pipe.race.margin = 10.0  # eager never wins here: the race is between the compiled two
+    for step in range(80):
+        for m, opt in zip((cmodel, eager), opts, strict=True):
+            torch.manual_seed(100 + step)
+            out = m(x)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if m is cmodel:
+                got, (verdict,) = out.detach(), [v for v, _ in pipe.race.report().values()]
+                ran.add(pipe.variant or "eager-or-compiled")
+            else:
+                torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-5)
+        if verdict is not None and not pipe._racing:
+            break
+    assert "joint" in ran  # joint steps ran and trained like eager
+    for b, c in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+    notes = [p.note for u in autopar.graphs(cmodel) for p in u.provenance
+             if p.stage in ("tier", "joint") and p.note.startswith("whole steps")]  # fmt: skip
+    assert len(notes) == 2 and "vs joint" in notes[0], notes
+
+
+def test_a_failed_warm_up_reports_its_last_line():
+    """Warm-ups write stderr to a file, not a pipe that nobody reads while they run (a full
+    pipe would block the child forever); a failure's last line is what the log shows."""
+    from autopar.codegen.inductor import spawn_warmup, warmup_error
+
+    proc = spawn_warmup("autopar.codegen.joint", "/nonexistent/autopar-job.pt")
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+    assert "FileNotFoundError" in warmup_error(proc)
