@@ -10,25 +10,38 @@ import torch.nn as nn
 
 import autopar
 from autopar.profiling.store import ProfileStore
-from autopar.runtime.race import SAMPLES, StepRace
+from autopar.runtime.race import RUN, SAMPLES, StepRace
 
 
 def test_race_alternates_then_keeps_the_faster():
     race = StepRace()
     t, picks = 0.0, []
-    for _ in range(2 + 2 * SAMPLES + 4):
+    for _ in range(2 + RUN * 2 * SAMPLES + 4):
         who = race.choose("k", t)
         picks.append(who)
         t += 1.0 if who == "compiled" else 2.0  # compiled steps take half the time
     assert picks[0] == "compiled"  # the first step compiles
-    assert set(picks[1:5]) == {"eager", "compiled"}  # then they alternate
+    assert picks[1 : 1 + 2 * RUN] == ["eager"] * RUN + ["compiled"] * RUN  # turns of RUN
     assert picks[-4:] == ["compiled"] * 4
     verdict, why = race.report()["k"]
     assert verdict == "compiled" and "eager" in why
 
 
+def test_only_the_last_step_of_each_turn_counts():
+    """The first step after a switch runs in the other contender's caches: not a sample."""
+    race = StepRace(samples=1, run=2)
+    t = 0.0
+    race.choose("k", t)
+    for who, dt in (("eager", 50.0), ("eager", 2.0), ("compiled", 50.0), ("compiled", 1.0)):
+        assert race.choose("k", t) == who
+        t += dt
+    race.choose("k", t)
+    verdict, why = race.report()["k"]
+    assert verdict == "compiled" and "1000.00 ms" in why and "2000.00 ms" in why, why
+
+
 def test_dirty_steps_do_not_count_and_reset_races_again():
-    race = StepRace(samples=1)
+    race = StepRace(samples=1, run=1)
     race.choose("k", 0.0)
     race.mark_dirty("k")
     assert race.choose("k", 100.0) == "eager"  # the dirty first step was not a sample
@@ -47,7 +60,7 @@ def test_slow_compiled_program_hands_training_to_eager():
     opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
     x = torch.randn(4, 8)
-    for step in range(2 * SAMPLES + 6):
+    for step in range(RUN * 2 * SAMPLES + 6):
         for m, opt in ((cmodel, opt_c), (eager, opt_e)):
             m(x).square().mean().backward()
             opt.step()
@@ -69,11 +82,11 @@ def test_a_near_tie_races_on_before_deciding():
 
     race = StepRace()
     t, n = 0.0, 0
-    while race.report().get("k", (None,))[0] is None and n < 4 * MAX_SAMPLES:
+    while race.report().get("k", (None,))[0] is None and n < 4 * RUN * MAX_SAMPLES:
         who = race.choose("k", t)
         t += 1.0 + (UNCLEAR / 2 if who == "compiled" else 0.0)  # compiled 1.5% slower
         n += 1
-        if n == 2 + 2 * SAMPLES:
+        if n == 2 + RUN * 2 * SAMPLES:
             assert race.report()["k"][0] is None and "racing on" in race.report()["k"][1]
     verdict, why = race.report()["k"]
     assert verdict == "eager" and f"{MAX_SAMPLES} + {MAX_SAMPLES}" in why, why
@@ -92,7 +105,7 @@ def test_an_added_contender_takes_turns_and_wins_when_fastest():
             who = race.choose("k", t)
             turns.append(who)
             t += {"eager": 2.0, "compiled": 1.0, "joint": joint_s}[who]
-        assert set(turns[:3]) == {"eager", "compiled", "joint"}, turns[:3]
+        assert set(turns[: 3 * RUN]) == {"eager", "compiled", "joint"}, turns[: 3 * RUN]
         verdict, why = race.report()["k"]
         assert verdict == expected, why
         assert "vs joint" in why and f"-> {expected}" in why
