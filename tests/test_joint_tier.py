@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from nets import BranchyNet, train_side_by_side
 from oracle import check_training
 
 import autopar
@@ -64,17 +65,6 @@ def test_zoo_trains_like_eager_on_the_joint_executor(name, always_land):
     assert set(executors.values()) == {"joint"}, executors
 
 
-class BranchyNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.2))
-        self.b = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
-        self.head = nn.Linear(32, 3)
-
-    def forward(self, x):
-        return self.head(self.a(x).relu() + self.b(x))
-
-
 def test_background_joint_tier_lands_mid_training_from_a_warm_cache(always_land):
     """Training starts on autopar's per-graph programs; the joint compile runs in a warm-up
     process and the training process then hits Inductor's cache; the swap happens at a step
@@ -87,45 +77,24 @@ def test_background_joint_tier_lands_mid_training_from_a_warm_cache(always_land)
     eager = copy.deepcopy(model)
     cmodel = autopar.compile(model, inductor=True, background=True, race=False,
                              store=ProfileStore.memory())  # fmt: skip
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
-    x = torch.randn(8, 16)
-    seen, hits = [], None
-    for step in range(5):
-        outs = []
-        for m, opt in zip((cmodel, eager), opts, strict=True):
-            torch.manual_seed(100 + step)  # the same dropout masks for both
-            out = m(x)
-            out.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            outs.append(out.detach())
-            assert torch.equal(torch.get_rng_state(), _after(100 + step, eager, x)), step
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-        seen.append({u.executor for u in autopar.graphs(cmodel)})
+    hits = []
+
+    def between(step: int) -> None:
         if step == 1:
             before = counters["inductor"]["fxgraph_cache_hit"]
             assert autopar.wait(cmodel, timeout=300)  # warm-up done, compiled here
-            hits = counters["inductor"]["fxgraph_cache_hit"] - before
+            hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
+
+    seen = train_side_by_side(cmodel, eager, torch.randn(8, 16), 5, between)
     assert seen[0] == {"plan"}  # training started at once on the planned programs
     assert seen[-1] == {"joint"}  # ... and the joint executor landed mid-training
-    assert hits == 2, hits  # forward and backward came from the warm-up's cache
+    assert hits == [2], hits  # forward and backward came from the warm-up's cache
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
     assert "joint landed" in autopar.explain(cmodel)
     assert "forward+backward" in autopar.explain(cmodel).graphs[0].provenance[-1].note
-
-
-def _after(seed: int, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The generator state after one eager forward from ``seed`` (what training must see)."""
-    state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        copy.deepcopy(model)(x)
-    out = torch.get_rng_state()
-    torch.set_rng_state(state)
-    return out
 
 
 def test_a_tensor_hook_keeps_the_current_executor_and_says_why(always_land):

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
+from nets import BranchyNet, train_side_by_side
 from oracle import check_training
 
 import autopar
@@ -49,39 +49,18 @@ def test_zoo_trains_like_eager_under_inductor(name, always_land):
     assert set(executors.values()) == {"inductor"}, executors
 
 
-class BranchyNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.2))
-        self.b = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
-        self.head = nn.Linear(32, 3)
-
-    def forward(self, x):
-        return self.head(self.a(x).relu() + self.b(x))
-
-
 def test_background_tier_swaps_mid_training_and_keeps_equivalence(always_land):
     torch.manual_seed(0)
     model = BranchyNet()
     eager = copy.deepcopy(model)
     cmodel = autopar.compile(model, inductor=True, background=True, race=False,
                              store=ProfileStore.memory())  # fmt: skip
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
-    x = torch.randn(8, 16)
-    seen = []
-    for step in range(6):
-        outs = []
-        for m, opt in zip((cmodel, eager), opts, strict=True):
-            torch.manual_seed(100 + step)  # the same dropout masks for both
-            out = m(x)
-            out.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            outs.append(out.detach())
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-        seen.append({u.executor for u in autopar.graphs(cmodel)})
+
+    def between(step: int) -> None:
         if step == 1:
             assert autopar.wait(cmodel, timeout=300)
+
+    seen = train_side_by_side(cmodel, eager, torch.randn(8, 16), 6, between)
     assert seen[0] == {"plan"}  # training started at once on the planned programs
     assert seen[-1] == {"inductor"}  # ... and the Inductor tier landed mid-training
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
