@@ -224,3 +224,22 @@ def test_a_failed_warm_up_reports_its_last_line():
     proc.wait(timeout=120)
     assert proc.returncode != 0
     assert "FileNotFoundError" in warmup_error(proc)
+
+
+def test_backend_autopar_lands_the_joint_tier_without_a_race(always_land):
+    """``torch.compile(backend="autopar")`` runs no step race (it does not own the module's
+    call): the joint candidate is judged by a timed forward and backward instead of waiting
+    for a race that never runs, and training stays eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    eager = copy.deepcopy(model)
+    cmodel = torch.compile(model, backend="autopar", dynamic=False,
+                           options={"inductor": True, "background": False})  # fmt: skip
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        for m in (cmodel, eager):
+            m.zero_grad()
+            m(x).square().sum().backward()
+    assert {u.executor for u in autopar.graphs(cmodel)} == {"joint"}
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -288,8 +288,11 @@ class Pipeline:
         if tiers.measuring:  # a timed forward and backward of the tier's measurement
             return graph.runner(*args)
         if graph.candidate is None:
+            # Whole steps judge only where the race runs: inside this pipeline's own call
+            # (torch.compile(backend="autopar") calls the graphs without it).
+            by_steps = self.race.enabled and self._call is not None
             state = tiers.maybe_land_graph(graph, args, self.capture.group(graph.group),
-                                           by_steps=self.race.enabled)  # fmt: skip
+                                           by_steps=by_steps)  # fmt: skip
             if state in ("ready", "landed", "kept"):  # this step compiled: not a race sample
                 self.race.mark_dirty(self.key)
             if state == "ready":
