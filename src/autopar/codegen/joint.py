@@ -7,11 +7,11 @@ decompositions, with its default partitioner. ``torch.compile`` instead decompos
 graph first and partitions it with the min-cut partitioner, which recomputes cheap ops in
 the backward instead of saving them. On HF BERT (tiny, 2 cores, 2026-11-30) that backward
 ran 3% faster (6.44 vs 6.64 ms a step). Neither pipeline wins everywhere (autopar's
-partition was 4-7% ahead on the Inception and towers models), so this is one more measured
-candidate, swapped per Dynamo graph, forward and backward together
-(``autopar.runtime.joint_tier``).
+partition was 4-7% ahead on the Inception and towers models), so this is one more
+candidate, swapped per Dynamo graph, forward and backward together, when whole training
+steps measure it faster (``autopar.runtime.race``; ``autopar.runtime.joint_tier``).
 
-The compile patches two settings, and only for its own duration:
+The compile patches three settings, and only for its own duration:
 
 * Inductor's ``fallback_random``: dropout draws exactly what eager draws (as in
   :data:`autopar.codegen.inductor.INDUCTOR_CONFIG`);
