@@ -100,7 +100,7 @@ def test_an_added_contender_takes_turns_and_wins_when_fastest():
         race = StepRace()
         t, turns = 0.0, []
         race.choose("k", t)
-        race.add("joint")
+        race.add("joint", "k")
         while race.report()["k"][0] is None and len(turns) < 200:
             who = race.choose("k", t)
             turns.append(who)
@@ -109,3 +109,18 @@ def test_an_added_contender_takes_turns_and_wins_when_fastest():
         verdict, why = race.report()["k"]
         assert verdict == expected, why
         assert "vs joint" in why and f"-> {expected}" in why
+
+
+def test_an_added_contender_races_only_its_own_signature():
+    """Only the signature whose graphs can run the new contender races again with it; a
+    decided race of another signature (an eval loop, another batch size) keeps its verdict."""
+    race = StepRace(samples=1, run=1)
+    t = 0.0
+    for _ in range(4):
+        race.choose("other", t)
+        t += 1.0
+    assert race.report()["other"][0] is not None
+    race.choose("k", t)
+    race.add("joint", "k")
+    assert race.report()["other"][0] is not None
+    assert race.report()["k"] == (None, "racing again: joint ready")

@@ -298,7 +298,7 @@ class Pipeline:
             if state == "ready":
                 graph.candidate = tiers.ready_program(graph)
                 self._racing[graph] = self.key
-                self.race.add("joint")
+                self.race.add("joint", self.key)
             elif state == "landed":
                 self.race.reset()
             if state in ("landed", "kept", "done"):

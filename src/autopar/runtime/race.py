@@ -96,7 +96,6 @@ class StepRace:
         self.samples, self.margin, self.enabled = samples, margin, enabled
         self.run = max(1, run)
         self.max_samples = max(max_samples, samples)
-        self.contenders: tuple[str, ...] = BASE
         self._races: dict[object, _Race] = {}
         self._lock = threading.Lock()
 
@@ -106,7 +105,7 @@ class StepRace:
         with self._lock:
             race = self._races.get(key)
             if race is None:
-                race = self._races[key] = _Race({k: [] for k in self.contenders})
+                race = self._races[key] = _Race()
             if race.last is not None and not race.dirty and race.verdict is None:
                 who, t0, counts = race.last
                 if counts:
@@ -121,17 +120,21 @@ class StepRace:
             else:
                 race.turn += 1
                 turn, step = divmod(race.turn - 1, self.run)
-                who = self.contenders[turn % len(self.contenders)]
+                names = list(race.samples)  # eager, compiled, then the added ones
+                who = names[turn % len(names)]
                 counts = step == self.run - 1  # the last step of its turn
             race.last, race.dirty = (who, now, counts), False
             return who
 
-    def add(self, contender: str) -> None:
-        """A new way to run compiled steps is ready: race every signature again, with it."""
+    def add(self, contender: str, key) -> None:
+        """A new way to run compiled steps of signature ``key`` is ready: race that signature
+        again, with it (the others, which cannot run it, race on as they were)."""
         with self._lock:
-            if contender not in self.contenders:
-                self.contenders = (*self.contenders, contender)
-            self._restart(f"racing again: {contender} ready")
+            race = self._races.get(key)
+            if race is None:
+                race = self._races[key] = _Race()
+            race.samples.setdefault(contender, [])
+            self._restart(f"racing again: {contender} ready", [race])
 
     def verdict(self, key) -> str | None:
         with self._lock:
@@ -148,15 +151,16 @@ class StepRace:
     def reset(self) -> None:
         """A new compiled tier landed: race every signature again."""
         with self._lock:
-            self._restart("racing again: a new tier")
+            self._restart("racing again: a new tier", list(self._races.values()))
 
-    def _restart(self, reason: str) -> None:
-        for race in self._races.values():
-            race.samples = {k: [] for k in self.contenders}
+    @staticmethod
+    def _restart(reason: str, races: list[_Race]) -> None:
+        for race in races:
+            race.samples = {k: [] for k in race.samples}
             race.verdict, race.reason, race.dirty = None, reason, True
 
     def _decide(self, race: _Race) -> None:
-        names = [k for k in self.contenders if k in race.samples]
+        names = list(race.samples)
         counts = {k: len(race.samples[k]) for k in names}
         if min(counts.values()) < self.samples:
             return
