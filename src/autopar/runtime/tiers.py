@@ -278,7 +278,8 @@ class Tiers:
         prog, graph.candidate = graph.candidate, None
         tier = self._graph_tiers.get(id(graph))
         waited = time.perf_counter() - tier.started if tier is not None else 0.0
-        name = next((c.name for c in tier.candidates if c.program is prog), "joint")
+        cands = tier.candidates if tier is not None else []
+        name = next((c.name for c in cands if c.program is prog), "joint")
         line = f"whole steps: {reason} (ready {waited:.1f} s after the first call)"
         if verdict != name:
             self._event(graph, f"{line}: kept {graph.executor}")
