@@ -323,9 +323,9 @@ class Pipeline:
     def on_call(self, record: GraphRecord, runner, args):
         """Every call after a graph's first: land a faster tier when one is ready (between
         two calls of the graph), then let the monitor time the call."""
-        if self.tiers is not None and self.tiers.measuring:
-            return runner(args)  # a whole-graph tier's timed run, not a training call
         if self.tiers is not None:
+            if self.tiers.measuring:
+                return runner(args)  # a whole-graph tier's timed run, not a training call
             self.tiers.maybe_land(record, args)
             if record.runner is not runner:  # a tier landed: measure everything afresh
                 runner = record.runner

@@ -103,9 +103,7 @@ class StepRace:
         """Close the previous step of ``key`` (counting its time) and pick ``"eager"``,
         ``"compiled"`` or an added contender for the step that starts ``now``."""
         with self._lock:
-            race = self._races.get(key)
-            if race is None:
-                race = self._races[key] = _Race()
+            race = self._race(key)
             if race.last is not None and not race.dirty and race.verdict is None:
                 who, t0, counts = race.last
                 if counts:
@@ -130,11 +128,15 @@ class StepRace:
         """A new way to run compiled steps of signature ``key`` is ready: race that signature
         again, with it (the others, which cannot run it, race on as they were)."""
         with self._lock:
-            race = self._races.get(key)
-            if race is None:
-                race = self._races[key] = _Race()
+            race = self._race(key)
             race.samples.setdefault(contender, [])
             self._restart(f"racing again: {contender} ready", [race])
+
+    def _race(self, key) -> _Race:
+        race = self._races.get(key)
+        if race is None:
+            race = self._races[key] = _Race()
+        return race
 
     def verdict(self, key) -> str | None:
         with self._lock:
@@ -160,8 +162,9 @@ class StepRace:
             race.verdict, race.reason, race.dirty = None, reason, True
 
     def _decide(self, race: _Race) -> None:
-        names = list(race.samples)
+        names = list(race.samples)  # eager, compiled, then the added ones
         counts = {k: len(race.samples[k]) for k in names}
+        steps = " + ".join(str(counts[k]) for k in ("compiled", "eager", *names[2:]))
         if min(counts.values()) < self.samples:
             return
         med = {k: statistics.median(race.samples[k]) for k in names}
@@ -174,12 +177,10 @@ class StepRace:
         best, second = ranked[0], ranked[1]
         if (abs(score[second] - score[best]) < UNCLEAR * score[best]
                 and min(counts.values()) < self.max_samples):  # fmt: skip
-            steps = " + ".join(str(counts[k]) for k in names[::-1])
             race.reason = f"racing on: medians within {UNCLEAR:.0%} after {steps}"
             return
         race.verdict = best
         others = "".join(f" vs {k} {med[k] * 1e3:.2f} ms" for k in names if k not in BASE)
-        steps = " + ".join(str(counts[k]) for k in ("compiled", "eager", *names[2:]))
         race.reason = (
             f"median step: compiled {med['compiled'] * 1e3:.2f} ms vs eager "
             f"{med['eager'] * 1e3:.2f} ms{others} ({steps} steps) -> {race.verdict}"

@@ -282,15 +282,26 @@ class Tiers:
         name = next((c.name for c in cands if c.program is prog), "joint")
         line = f"whole steps: {reason} (ready {waited:.1f} s after the first call)"
         if verdict != name:
-            self._event(graph, f"{line}: kept {graph.executor}")
-            for r in records:
-                r.advance("joint", waited, f"{line}: kept {r.executor}")
-            return
+            self._keep_graph(graph, records, line, waited)
+        else:
+            self._swap_graph(graph, records, prog, name, line, waited)
+
+    def _keep_graph(self, graph, records: list, line: str, waited: float) -> None:
+        """The whole-graph candidate lost (``line`` says how): the runner stays."""
+        self._event(graph, f"{line}: kept {graph.executor}")
+        for r in records:
+            r.advance("joint", waited, f"{line}: kept {r.executor}")
+
+    def _swap_graph(self, graph, records: list, prog, name: str, line: str, waited: float,
+                    measured: tuple = ()) -> None:  # fmt: skip
+        """Candidate ``name`` won (``line`` says how): it runs both halves from the next call;
+        each half's unit says so (what ``autopar.explain`` and the bench read)."""
         with graph.lock:
             graph.runner, graph.executor = prog.fn, name
+        extra = {"measured": measured} if measured else {}
         for r in records:
             r.advance("tier", waited, f"{line}: {name} landed", program=prog.program(r.phase),
-                      executor=name)  # fmt: skip
+                      executor=name, **extra)  # fmt: skip
         self._event(graph, f"{line}: {name} landed")
 
     def _land_graph(self, graph, tier: _Tier, args: list, records: list) -> str:
@@ -317,17 +328,9 @@ class Tiers:
                    f"(ready {waited:.1f} s after the first call)")  # fmt: skip
         measured = ((graph.executor, cur),) + tuple((k, best.get(k, inf)) for k in ready)
         if best.get(name, inf) >= JOINT_MARGIN * cur:
-            self._event(graph, f"{verdict}: kept {graph.executor}")
-            for r in records:
-                r.advance("joint", waited, f"{verdict}: kept {r.executor}")
+            self._keep_graph(graph, records, verdict, waited)
             return "kept"
-        prog = ready[name]
-        with graph.lock:
-            graph.runner, graph.executor = prog.fn, name
-        for r in records:  # what runs both halves now, in autopar.explain and the bench
-            r.advance("tier", waited, f"{verdict}: {name} landed", program=prog.program(r.phase),
-                      executor=name, measured=measured)  # fmt: skip
-        self._event(graph, f"{verdict}: {name} landed")
+        self._swap_graph(graph, records, ready[name], name, verdict, waited, measured)
         return "landed"
 
     def pending(self) -> int:
@@ -359,16 +362,12 @@ class Tiers:
                 live[0].wait(left)
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
                 return False
-        for record in records:
-            tier = self._tiers.get(id(record))
+        owners = [(r, self._tiers.get(id(r))) for r in records]
+        owners += [(g, self._graph_tiers.get(id(g))) for g in graphs]
+        for owner, tier in owners:
             if tier is not None and not tier.done:
-                self._reap(record, tier)
-                self._build(record, tier)
-        for graph in graphs:
-            tier = self._graph_tiers.get(id(graph))
-            if tier is not None and not tier.done:
-                self._reap(graph, tier)
-                self._build(graph, tier)
+                self._reap(owner, tier)
+                self._build(owner, tier)
         return True
 
     # -- mechanics ----------------------------------------------------------------------
