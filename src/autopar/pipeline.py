@@ -280,14 +280,15 @@ class Pipeline:
 
     def on_graph_call(self, graph, args):
         """A call of a whole Dynamo graph while a whole-graph tier may still land for it
-        (``Tiers.maybe_land_graph``). A compiled candidate races the graph's runner over
-        whole steps (``runtime.race``: the race's ``"joint"`` steps run it), or, with the
-        race off, lands by a timed forward and backward. Once nothing is left, the graph's
+        (``Tiers.maybe_land_graph``). The compiled candidates race the graph's runner over
+        whole steps (``runtime.race``: the race's ``"joint"`` steps run the joint one, its
+        ``"split"`` steps the batch split), or, with the race off, the fastest lands by a
+        timed forward and backward. Once nothing is left, the graph's
         calls go straight to its runner (``graph.on_call = None``)."""
         tiers = self.tiers
         if tiers.measuring:  # a timed forward and backward of the tier's measurement
             return graph.runner(*args)
-        if graph.candidate is None:
+        if not graph.candidates:
             # Whole steps judge only where the race runs: inside this pipeline's own call
             # (torch.compile(backend="autopar") calls the graphs without it).
             by_steps = self.race.enabled and self._call is not None
@@ -296,16 +297,16 @@ class Pipeline:
             if state in ("ready", "landed", "kept"):  # this step compiled: not a race sample
                 self.race.mark_dirty(self.key)
             if state == "ready":
-                graph.candidate = tiers.ready_program(graph)
+                graph.candidates = tiers.ready_programs(graph)
                 self._racing[graph] = self.key
-                self.race.add("joint", self.key)
+                for name in graph.candidates:
+                    self.race.add(name, self.key)
             elif state == "landed":
                 self.race.reset()
             if state in ("landed", "kept", "done"):
                 graph.on_call = None
-        if graph.candidate is not None and self.variant == "joint":
-            return graph.candidate.fn(*args)
-        return graph.runner(*args)
+        prog = graph.candidates.get(self.variant)
+        return (prog.fn if prog is not None else graph.runner)(*args)
 
     def _settle_graphs(self, key) -> None:
         """The race of ``key`` has a verdict: each Dynamo graph racing a candidate for that

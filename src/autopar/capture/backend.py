@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture.analysis import buffer_analysis
+from autopar.capture.dynamo_graph import DynamoGraph, OnGraphCall
 from autopar.capture.layout import robust_views
 from autopar.errors import FallbackWarning, describe_node, node_source, warn_fallback
 
@@ -57,9 +58,6 @@ Prepare = Callable[["GraphRecord", list], tuple[Any, Callable[[list], Any]]]
 # Optional hook around every later call: ``on_call(record, runner, args) -> outputs``
 # (``autopar.adapt.monitor`` times calls there, re-profiles and swaps programs).
 OnCall = Callable[["GraphRecord", Callable[[list], Any], list], Any]
-# Optional hook around every call of a Dynamo graph: ``on_graph_call(graph, args) ->
-# outputs``, where ``graph.runner(*args)`` runs it (the pipeline lands whole-graph tiers).
-OnGraphCall = Callable[["DynamoGraph", tuple], Any]
 
 
 def node_key(graph_tag: str, node_name: str) -> str:
@@ -166,38 +164,6 @@ class GraphRecord:
 
     def __repr__(self) -> str:
         return f"GraphRecord({self.unit!r}, calls={self.calls})"
-
-
-class DynamoGraph:
-    """One Dynamo graph ``g<k>`` at run time: the callable Dynamo calls. ``runner(*args)``
-    runs it: AOTAutograd over autopar's recorded forward and backward graphs
-    (``captured``), until a whole-graph executor replaces both halves at once (a tier,
-    ``autopar.runtime.joint_tier``), between two calls. ``on_call`` (None: call ``runner``
-    directly) sees every call while something may still be swapped in."""
-
-    def __init__(self, group: int, gm: fx.GraphModule, runner: Callable[..., Any],
-                 on_call: OnGraphCall | None = None):  # fmt: skip
-        self.group = group
-        self.gm = gm  # after the graph passes: what AOTAutograd traced
-        self.captured = runner
-        self.runner = runner
-        self.executor = "per-graph"  # the executors of g<k>.fw and g<k>.bw, each its own
-        # A whole-graph program racing ``runner`` over whole steps (``runtime.race``): the
-        # pipeline's ``on_call`` picks one of them per step until the race decides.
-        self.candidate: Any = None
-        self.on_call = on_call
-        self.lock = threading.RLock()
-
-    tag = property(lambda self: f"g{self.group}")
-
-    def __call__(self, *args: Any) -> Any:
-        on_call = self.on_call
-        if on_call is None:
-            return self.runner(*args)
-        return on_call(self, args)
-
-    def __repr__(self) -> str:
-        return f"DynamoGraph({self.tag}, executor={self.executor!r})"
 
 
 def run_serially(record: GraphRecord, args: list) -> tuple[Any, Callable[[list], Any]]:

@@ -69,6 +69,7 @@ class JointProgram:
     fn: Callable[..., Any] = field(repr=False)
     sources: dict[str, str] = field(repr=False)
     seconds: float = 0.0
+    partition: str = "min-cut"
 
     def program(self, phase: str) -> Program:
         """The ``Program`` that shows this compile's ``phase`` half in ``autopar.explain``
@@ -76,19 +77,29 @@ class JointProgram:
         tag = f"{self.tag}.{'fw' if phase == 'forward' else 'bw'}"
         head = (
             f"# autopar: Dynamo graph {self.tag} compiled whole by Inductor's compile_fx in "
-            f"{self.seconds:.1f} s\n# (forward and backward together, min-cut partition of "
-            f"the decomposed joint graph, as torch.compile does); the {phase}:\n"
+            f"{self.seconds:.1f} s\n# (forward and backward together, {self.partition} "
+            f"partition of the decomposed joint graph); the {phase}:\n"
         )
         body = self.sources.get(phase) or "# (output code not kept)\n"
         return Program(head + body, self.fn, None, tag, f"<autopar joint {tag}>",
                        notes=(f"joint: {self.seconds:.1f} s",))  # fmt: skip
 
 
-def compile_joint(gm: fx.GraphModule, example_args: list, *, tag: str) -> JointProgram:
+def compile_joint(
+    gm: fx.GraphModule,
+    example_args: list,
+    *,
+    tag: str,
+    options: dict | None = None,
+    partition: str = "min-cut",
+) -> JointProgram:
     """Compile Dynamo graph ``gm`` (tag ``g<k>``) with ``compile_fx`` for inputs shaped like
     ``example_args`` (real tensors or :func:`~autopar.codegen.inductor.stand_ins`: only
     metadata is read). Synchronous; call it on the thread that runs the model. The user's
-    random generators are left as they were."""
+    random generators are left as they were. ``options``: more Inductor settings, patched
+    over :data:`~autopar.codegen.inductor.INDUCTOR_CONFIG` for this compile only.
+    ``partition``: ``"min-cut"`` (``torch.compile``'s) or ``"default"`` (AOTAutograd's
+    default partition after the same joint-graph passes: ``codegen.partition``)."""
     from torch._dynamo.convert_frame import compile_lock
     from torch._functorch import config as aot_config
     from torch._guards import TracingContext, tracing
@@ -117,20 +128,28 @@ def compile_joint(gm: fx.GraphModule, example_args: list, *, tag: str) -> JointP
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
              for a in example_args]  # fmt: skip
     # compile_lock: Inductor compiles are not re-entrant across threads (as in inductor.py).
-    with compile_lock, torch.random.fork_rng(devices=cuda), config.patch(INDUCTOR_CONFIG), \
+    settings = {**INDUCTOR_CONFIG, **(options or {})}
+    if partition == "default":
+        from autopar.codegen.partition import DefaultPartition
+
+        settings["custom_partitioner_fn"] = DefaultPartition()
+    with compile_lock, torch.random.fork_rng(devices=cuda), config.patch(settings), \
             aot_config.patch(AOT_CONFIG), tracing(TracingContext(mode)):  # fmt: skip
         fn = compile_fx(gm, fakes, inner_compile=inner)
-    return JointProgram(tag, fn, sources, time.perf_counter() - t0)
+    return JointProgram(tag, fn, sources, time.perf_counter() - t0, partition)
 
 
-def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str) -> subprocess.Popen:
+def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str,
+                       options: dict | None = None, partition: str = "min-cut",
+                       ) -> subprocess.Popen:  # fmt: skip
     """Start ``python -m autopar.codegen.joint`` compiling ``gm`` for ``example_args``'
-    shapes in another process (low priority, the same settings), so that
-    :func:`compile_joint` here later hits Inductor's cache."""
+    shapes in another process (low priority, the same settings, ``options`` and
+    ``partition``), so that :func:`compile_joint` here later hits Inductor's cache."""
     fd, path = tempfile.mkstemp(prefix="autopar-joint-", suffix=".pt")
     os.close(fd)
     job = {"gm": gm, "dynamo": dynamo_meta(gm), "meta": input_meta(example_args),
-           "roles": roles(example_args), "tag": tag}  # fmt: skip
+           "roles": roles(example_args), "tag": tag, "options": options,
+           "partition": partition}  # fmt: skip
     torch.save(job, path)
     return spawn_warmup("autopar.codegen.joint", path)
 
@@ -193,7 +212,9 @@ def with_roles(args: list, kinds: list[str | None]) -> list:
 def _warmup_main(path: str, parent: int | None = None) -> int:
     job = load_warmup_job(path, parent)
     gm = restore_dynamo_meta(job["gm"], job["dynamo"])
-    compile_joint(gm, with_roles(stand_ins(job["meta"]), job["roles"]), tag=job["tag"])
+    args = with_roles(stand_ins(job["meta"]), job["roles"])
+    compile_joint(gm, args, tag=job["tag"], options=job.get("options"),
+                  partition=job.get("partition", "min-cut"))  # fmt: skip
     return 0
 
 

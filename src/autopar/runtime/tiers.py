@@ -71,6 +71,7 @@ from autopar.runtime.segment_runner import (
     segment_candidate,
     start_segment_warmup,
 )
+from autopar.runtime.split_tier import split_parts
 
 log = logging.getLogger("autopar")
 
@@ -95,6 +96,10 @@ class Candidate:
     proc: Any = None  # the warm-up process while it runs
     program: Any = None  # compiled here, waiting to be measured
     error: str | None = None
+    # Whether it applies, when that costs too much for a first call: None (it does) or why
+    # not, asked once before its warm-up (the batch split traces its graph).
+    check: Callable[[], str | None] | None = None
+    tag: str = ""  # the graph's, for the "not offered" line
 
 
 def _inductor(record, meta: list) -> Candidate:
@@ -125,6 +130,11 @@ def _joint(graph, args: list) -> Candidate:
     return Candidate("joint", warm=warm, build=build)
 
 
+def _split(graph, args: list) -> Candidate:
+    warm, build, check = split_parts(graph.gm, args, graph.tag)
+    return Candidate("split", warm=warm, build=build, check=check, tag=graph.tag)
+
+
 #: name -> factory(record, input_meta) -> Candidate, or None when it does not apply. A new
 #: tier is one factory here (and its executor's module).
 TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
@@ -134,6 +144,7 @@ TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
 #: The same for whole Dynamo graphs (both halves at once): name -> factory(graph, args).
 GRAPH_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
     "joint": _joint,
+    "split": _split,
 }
 
 
@@ -142,8 +153,9 @@ GRAPH_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
 #: offered (inception, towers, deep MLP, BERT, GPT-2: 1.1-2x slower), and their compiles
 #: delay the landing of the Inductor tier by tens of seconds.
 #: The joint tier (torch.compile's own pipeline per Dynamo graph) is on: it closed HF BERT's
-#: gap to torch.compile (see docs/executors.md).
-DEFAULT_TIERS = ("inductor", "joint")
+#: gap to torch.compile (see docs/executors.md). The batch split is on: where a graph
+#: qualifies (no random draws, no batch statistics) it can beat both on few cores.
+DEFAULT_TIERS = ("inductor", "joint", "split")
 
 
 def default_candidates() -> tuple[str, ...]:
@@ -263,34 +275,32 @@ class Tiers:
         self._build(graph, tier)
         if by_steps:
             tier.done = True
-            return "ready" if self.ready_program(graph) is not None else "done"
+            return "ready" if self.ready_programs(graph) else "done"
         return self._land_graph(graph, tier, list(args), records)
 
-    def ready_program(self, graph):
-        """The compiled whole-graph candidate of ``graph`` (the first that compiled), or None."""
+    def ready_programs(self, graph) -> dict:
+        """The compiled whole-graph candidates of ``graph``, by tier name."""
         tier = self._graph_tiers.get(id(graph))
-        progs = [c.program for c in tier.candidates if c.program is not None] if tier else []
-        return progs[0] if progs else None
+        cands = tier.candidates if tier is not None else []
+        return {c.name: c.program for c in cands if c.program is not None}
 
     def settle_graph(self, graph, records: list, verdict: str, reason: str) -> None:
-        """The step race decided between ``graph``'s runner and its candidate: swap it in
-        (``verdict`` is the candidate's name) or keep the runner; stamp both halves."""
-        prog, graph.candidate = graph.candidate, None
+        """The step race decided between ``graph``'s runner and its candidates: swap the
+        winner in (``verdict`` is its name) or keep the runner; stamp both halves."""
+        progs, graph.candidates = graph.candidates, {}
         tier = self._graph_tiers.get(id(graph))
         waited = time.perf_counter() - tier.started if tier is not None else 0.0
-        cands = tier.candidates if tier is not None else []
-        name = next((c.name for c in cands if c.program is prog), "joint")
         line = f"whole steps: {reason} (ready {waited:.1f} s after the first call)"
-        if verdict != name:
+        if verdict not in progs:
             self._keep_graph(graph, records, line, waited)
         else:
-            self._swap_graph(graph, records, prog, name, line, waited)
+            self._swap_graph(graph, records, progs[verdict], verdict, line, waited)
 
     def _keep_graph(self, graph, records: list, line: str, waited: float) -> None:
         """The whole-graph candidate lost (``line`` says how): the runner stays."""
         self._event(graph, f"{line}: kept {graph.executor}")
         for r in records:
-            r.advance("joint", waited, f"{line}: kept {r.executor}")
+            r.advance("whole-graph", waited, f"{line}: kept {r.executor}")
 
     def _swap_graph(self, graph, records: list, prog, name: str, line: str, waited: float,
                     measured: tuple = ()) -> None:  # fmt: skip
@@ -391,6 +401,8 @@ class Tiers:
         if not queue or self._running():
             return
         cand = queue.pop(0)
+        if not self._offered(cand):
+            return
         try:
             cand.proc = cand.warm()
             self._procs.append(cand.proc)
@@ -413,9 +425,19 @@ class Tiers:
             if err:
                 log.debug("autopar: %s: %s warm-up failed: %s", record.tag, cand.name, err)
 
+    def _offered(self, cand: Candidate) -> bool:
+        """Ask ``cand.check`` once; a candidate that does not apply is dropped, with a line."""
+        check, cand.check = cand.check, None
+        why = check() if check is not None else None
+        if why is not None:
+            cand.error = f"not offered: {why}"
+            self.events.append(f"{cand.tag}: {cand.name} {cand.error}")
+            log.info("autopar: %s: %s %s", cand.tag, cand.name, cand.error)
+        return cand.error is None
+
     def _build(self, record, tier: _Tier) -> None:
         for cand in tier.candidates:
-            if cand.program is not None or cand.error is not None:
+            if cand.program is not None or cand.error is not None or not self._offered(cand):
                 continue
             try:
                 cand.program = cand.build()

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-_SHORT = {"inductor": "ind", "joint": "joint", "plan": "plan", "captured": "capt"}
+_SHORT = {"inductor": "ind", "joint": "joint", "split": "split", "plan": "plan",
+          "captured": "capt"}  # fmt: skip
 
 
 def _fmt(x: float | None, spec: str, none: str = "-") -> str:

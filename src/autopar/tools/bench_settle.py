@@ -28,7 +28,7 @@ from typing import Any
 
 # -- autopar's tiers and race ------------------------------------------------------------------
 #: Executors that only a tier puts in place (a graph runs one from some step after the first).
-TIERS = ("inductor", "segments", "joint")
+TIERS = ("inductor", "segments", "joint", "split")
 
 
 def _settled(pipeline) -> bool:

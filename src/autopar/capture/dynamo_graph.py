@@ -1,0 +1,54 @@
+"""A Dynamo graph at run time: the callable ``autopar.capture.backend`` hands to Dynamo,
+whose runner a whole-graph tier can replace between two calls.
+
+Example::
+
+    >>> g = DynamoGraph(0, gm=None, runner=lambda x: x + 1)
+    >>> g(1), g.tag
+    (2, 'g0')
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+# Optional hook around every call of a Dynamo graph: ``on_graph_call(graph, args) ->
+# outputs``, where ``graph.runner(*args)`` runs it (the pipeline lands whole-graph tiers).
+OnGraphCall = Callable[["DynamoGraph", tuple], Any]
+
+
+class DynamoGraph:
+    """One Dynamo graph ``g<k>`` at run time: the callable Dynamo calls. ``runner(*args)``
+    runs it: AOTAutograd over autopar's recorded forward and backward graphs
+    (``captured``), until a whole-graph executor replaces both halves at once (a tier:
+    ``autopar.runtime.joint_tier``, ``autopar.runtime.split_tier``), between two calls.
+    ``on_call`` (None: call ``runner`` directly) sees every call while something may
+    still be swapped in."""
+
+    def __init__(self, group: int, gm: fx.GraphModule, runner: Callable[..., Any],
+                 on_call: OnGraphCall | None = None):  # fmt: skip
+        self.group = group
+        self.gm = gm  # after the graph passes: what AOTAutograd traced
+        self.captured = runner
+        self.runner = runner
+        self.executor = "per-graph"  # the executors of g<k>.fw and g<k>.bw, each its own
+        # Whole-graph programs racing ``runner`` over whole steps (``runtime.race``), by
+        # tier name: the pipeline's ``on_call`` picks one per step until the race decides.
+        self.candidates: dict[str, Any] = {}
+        self.on_call = on_call
+        self.lock = threading.RLock()
+
+    tag = property(lambda self: f"g{self.group}")
+
+    def __call__(self, *args: Any) -> Any:
+        on_call = self.on_call
+        if on_call is None:
+            return self.runner(*args)
+        return on_call(self, args)
+
+    def __repr__(self) -> str:
+        return f"DynamoGraph({self.tag}, executor={self.executor!r})"

@@ -1,0 +1,184 @@
+"""The batch-split tier: a Dynamo graph run as two half batches at once on two threads
+(``autopar.codegen.batch_split``: which graphs qualify; ``autopar.runtime.split_tier``: the
+runner and the candidate).
+
+The analysis and the runner's autograd are tested on uncompiled graphs (fast, float64 where
+equality matters); two tests compile with Inductor's C++ wrapper (seconds each, one small
+graph, the second a cache hit).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from nets import BranchyNet, train_side_by_side
+from oracle import check_training
+
+import autopar
+import autopar.runtime.tiers as tiers
+from autopar.codegen.batch_split import batched_inputs, split_reason
+from autopar.profiling.store import ProfileStore
+from autopar.runtime.split_tier import SplitRunner
+from autopar.tools import zoo
+
+
+class ConvBranches(nn.Module):
+    """Inception in miniature: a 1x1 and a 3x3 branch and a pooled one, concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+        self.c = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(3, 4, 1))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        y = F.relu(torch.cat([self.a(x), self.b(x), self.c(x)], dim=1))
+        return self.head(y.mean(dim=(2, 3)))
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.lin = fn, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fn(self.lin(x))
+
+
+def _dynamo_graph(model, *inputs):
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"], seen["args"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch.compile(model, backend=backend, dynamic=False)(*inputs)
+    return seen["gm"], seen["args"]
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: zoo.MLP(8, 16, 4), (6, 8)),
+    (ConvBranches, (4, 3, 6, 6)),
+    (lambda: zoo.MultiTowerMLP(d_in=8, hidden=16, towers=3, depth=2), (4, 8)),
+])  # fmt: skip
+def test_row_wise_graphs_may_be_split(make, shape):
+    gm, args = _dynamo_graph(make(), torch.randn(shape))
+    rng = torch.get_rng_state()
+    assert split_reason(gm, args) is None
+    assert torch.equal(rng, torch.get_rng_state())  # the analysis traces on fake tensors
+
+
+@pytest.mark.parametrize("fn, why", [
+    (nn.Dropout(0.5), "draws random numbers"),
+    (nn.BatchNorm1d(8), "rows"),  # batch statistics
+    (lambda y: y - y.mean(0), "batch"),
+    (lambda y: y.t() @ y, "batch"),
+    (lambda y: y.sum(), "batch"),
+])  # fmt: skip
+def test_graphs_that_mix_rows_or_draw_random_numbers_are_not_split(fn, why):
+    model = Lambda(fn).train()
+    gm, args = _dynamo_graph(model, torch.randn(6, 8))
+    reason = split_reason(gm, args)
+    assert reason is not None and (why in reason or "in place" in reason), reason
+
+
+def test_only_even_batches_of_outside_inputs_are_split():
+    gm, args = _dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(5, 8))
+    assert "batch of 5" in batched_inputs(gm, args)
+    gm, args = _dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(6, 8))
+    picked, batch = batched_inputs(gm, args)
+    assert batch == 6 and [tuple(args[i].shape) for i in picked] == [(6, 8)]
+
+
+def test_the_runner_equals_the_whole_batch_and_sums_parameter_gradients_once():
+    """Two halves on two threads, joined by one autograd.Function: float64 outputs and
+    every gradient (parameters and the input) equal the whole batch's; a parameter's tensor
+    hook runs once per backward, with the whole gradient."""
+    torch.manual_seed(0)
+    model = ConvBranches().double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(6, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    gm, args = _dynamo_graph(model, x)
+    picked, batch = batched_inputs(gm, args)
+    runner = SplitRunner(gm.forward, picked, batch)
+    hooked = []
+    model.head.weight.register_hook(lambda g: hooked.append(g.clone()))
+    model.zero_grad(set_to_none=True)
+    (out,) = runner(*args)
+    x2 = x.detach().clone().requires_grad_()
+    ref = twin(x2)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    assert len(hooked) == 1
+    torch.testing.assert_close(hooked[0], twin.head.weight.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_second_backward_through_split_outputs_says_what_to_do():
+    gm, args = _dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(4, 8))
+    picked, batch = batched_inputs(gm, args)
+    (out,) = SplitRunner(gm.forward, picked, batch)(*args)
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        loss.backward()
+
+
+def test_a_graph_that_may_not_be_split_is_not_offered_and_says_why(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+    cmodel = autopar.compile(BranchyNet(), inductor=True, background=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    for _ in range(2):
+        cmodel(torch.randn(8, 16)).sum().backward()
+    lines = autopar.explain(cmodel).tiers
+    assert any("split not offered: " in line and "in place" in line for line in lines), lines
+    assert {u.executor for u in autopar.graphs(cmodel)} == {"plan"}
+
+
+def test_the_split_executor_trains_like_eager(monkeypatch):
+    """Compiled with the C++ wrapper at one thread per half and landed (margin forced): one
+    training step equals eager by the fp64 oracle, and ``explain`` shows the split."""
+    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+    monkeypatch.setattr(tiers, "JOINT_MARGIN", float("inf"))
+    compiled = {}
+
+    def compile_fn(m):
+        state = copy.deepcopy(m.state_dict())
+        cm = autopar.compile(m, inductor=True, background=False, race=False,
+                             store=ProfileStore.memory())  # fmt: skip
+        for _ in range(2):  # step 1 compiles, step 2 measures and lands
+            cm(torch.randn(4, 3, 6, 6, requires_grad=True)).sum().backward()
+        m.load_state_dict(state)
+        m.zero_grad(set_to_none=True)
+        compiled["m"] = cm
+        return cm
+
+    check_training(ConvBranches(), [torch.randn(4, 3, 6, 6)], compile_fn, opt_name="sgd")
+    assert {u.executor for u in autopar.graphs(compiled["m"])} == {"split"}
+    assert "batch split: inputs" in str(autopar.explain(compiled["m"]).graphs[0].program)
+
+
+def test_split_steps_race_and_train_like_eager(monkeypatch):
+    """With the race on, split steps take turns with eager and per-graph compiled steps:
+    every step equals eager's and the generator moves as in eager."""
+    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+    torch.manual_seed(0)
+    model = ConvBranches()
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, inductor=True, background=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    pipe = cmodel._autopar_pipeline
+    ran = set()
+    train_side_by_side(cmodel, eager, torch.randn(4, 3, 6, 6), 40,
+                       lambda step: ran.add(pipe.variant))  # fmt: skip
+    assert "split" in ran
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
