@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="inception,towers")
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; "
-          "forward + backward, median ms (ratio = compiled / contender, > 1 is faster)")  # fmt: skip
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; forward "
+          "+ backward, median ms (ratio = compiled / contender, > 1 is faster)")  # fmt: skip
     for name in args.models.split(","):
         ms = measure(name, args.rounds)
         cells = ", ".join(f"{k} {v:.2f} ms ({ms['compiled'] / v:.2f}x)" for k, v in ms.items())

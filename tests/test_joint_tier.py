@@ -197,8 +197,9 @@ def test_the_step_race_judges_the_joint_candidate_and_training_stays_eager_equal
     assert "joint" in ran  # joint steps ran and trained like eager
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+    stages = ("tier", "whole-graph")
     notes = [p.note for u in autopar.graphs(cmodel) for p in u.provenance
-             if p.stage in ("tier", "whole-graph") and p.note.startswith("whole steps")]  # fmt: skip
+             if p.stage in stages and p.note.startswith("whole steps")]  # fmt: skip
     assert len(notes) == 2 and "vs joint" in notes[0], notes
 
 

@@ -25,9 +25,10 @@ an early verdict.
 More compiled contenders can join (:meth:`StepRace.add`): a whole-graph tier whose worth
 only whole steps show (``"joint"``, the Dynamo graph compiled by ``torch.compile``'s own
 pipeline: a forward and backward timed alone misjudged it by 4-8% on the Inception model,
-2026-11-30; ``"split"``, two half batches on two threads). They take turns with the others (E E C C J J ...); one wins against
-``"compiled"`` only with a median below ``ADDED_MARGIN`` times its median, and ties go to
-``"compiled"``, then to the newer contenders, then to eager.
+2026-11-30; ``"split"``, two half batches on two threads). They take turns with the
+others (E E C C J J ...); one wins against ``"compiled"`` only with a median below
+``ADDED_MARGIN`` times its median, and ties go to ``"compiled"``, then to the newer
+contenders, then to eager.
 
 Assumes one forward call per training step (the common loop); with several forwards per
 step the race compares call-to-call intervals, which still treat both contenders alike on
