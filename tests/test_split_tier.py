@@ -65,6 +65,8 @@ def _dynamo_graph(model, *inputs):
     (lambda: zoo.MLP(8, 16, 4), (6, 8)),
     (ConvBranches, (4, 3, 6, 6)),
     (lambda: zoo.MultiTowerMLP(d_in=8, hidden=16, towers=3, depth=2), (4, 8)),
+    (lambda: Lambda(lambda y: y.relu().mul_(2)), (4, 8)),  # in place, into its own value
+    (lambda: Lambda(lambda y: torch.stack([y, y.tanh()], dim=1)), (4, 8)),
 ])  # fmt: skip
 def test_row_wise_graphs_may_be_split(make, shape):
     gm, args = _dynamo_graph(make(), torch.randn(shape))

@@ -61,9 +61,14 @@ _ALONG_DIM = {
     aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
     aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
     aten.log_softmax.int, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.unbind.int, aten.select.int, aten.slice.Tensor, aten.transpose.int,
+    aten.unbind.int, aten.select.int, aten.unsafe_split.Tensor, aten.chunk.default,
+    aten.unsafe_split_with_sizes.default, aten.slice.Tensor, aten.transpose.int,
     aten.squeeze.dim, aten.unsqueeze.default, aten.max.dim, aten.min.dim,
 }  # fmt: skip
+
+
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
+           aten.unsafe_split_with_sizes.default, aten.chunk.default}  # fmt: skip
 
 
 def batched_inputs(gm: fx.GraphModule, args: list) -> tuple[list[int], int] | str:
@@ -123,7 +128,13 @@ def _rows_stay_apart(g: fx.GraphModule, picked: set[int], batch: int) -> str | N
         if torch.Tag.nondeterministic_seeded in tags:
             return f"{node.target} draws random numbers (the halves would draw other values)"
         if schema is not None and schema.is_mutable:
-            return f"{node.target} writes a tensor in place (BatchNorm statistics?)"
+            # A pointwise write into the graph's own intermediate (``c.add_(x)`` in a cell)
+            # is row-wise like its out-of-place form; a write into an input (BatchNorm's
+            # running statistics) or any other in-place op is not.
+            own = bool(node.args) and isinstance(node.args[0], fx.Node)
+            into_input = own and _root(node.args[0]).op == "placeholder"
+            if not own or into_input or torch.Tag.pointwise not in tags:
+                return f"{node.target} writes a tensor in place (BatchNorm statistics?)"
     batched: set[fx.Node] = set()
     places = g.graph.find_nodes(op="placeholder")
     batched.update(n for i, n in enumerate(places) if i in picked)
@@ -134,6 +145,9 @@ def _rows_stay_apart(g: fx.GraphModule, picked: set[int], batch: int) -> str | N
         if not ins:
             continue  # depends on parameters only
         why = _row_wise(node, ins, batch)
+        if why is None and torch.Tag.inplace in getattr(node.target, "tags", ()):
+            if node.args[0] not in batched:
+                why = "writes batched values into a tensor shared by both halves"
         if why is not None:
             return f"{node.target} {why}"
         batched.add(node)
@@ -143,6 +157,13 @@ def _rows_stay_apart(g: fx.GraphModule, picked: set[int], batch: int) -> str | N
         if out not in batched or out.op == "placeholder":
             return f"output {out.name} is not computed row by row from the batch"
     return None
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` is a view of (itself when it is none)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
+        node = node.args[0]
+    return node
 
 
 def _row_wise(node: fx.Node, ins: list[fx.Node], batch: int) -> str | None:
@@ -171,18 +192,18 @@ def _row_wise(node: fx.Node, ins: list[fx.Node], batch: int) -> str | None:
         rank = first.meta["val"].dim()
         if target is aten.transpose.int:
             dims = list(node.args[1:3])
-        if target in (aten.split.Tensor, aten.split_with_sizes.default):
+        if target in _SPLITS:
             dims = [node.args[2] if len(node.args) > 2 else 0]
         if target in (aten.select.int, aten.slice.Tensor, aten.unbind.int):
             dims = [node.args[1] if len(node.args) > 1 else 0]
         if any(d is None or d % max(rank, 1) == 0 for d in dims):
             return "works along the batch dimension"
         return None
-    if target is aten.cat.default:
-        dim = node.args[1] if len(node.args) > 1 else 0
-        parts = node.args[0]
-        if dim % parts[0].meta["val"].dim() == 0 or any(p not in ins for p in parts):
-            return "concatenates along the batch or with a non-batched tensor"
+    if target in (aten.cat.default, aten.stack.default):
+        dim, parts = (node.args[1] if len(node.args) > 1 else 0), node.args[0]
+        rank = parts[0].meta["val"].dim() + (target is aten.stack.default)
+        if dim % rank == 0 or any(p not in ins for p in parts):
+            return "joins along the batch or with a non-batched tensor"
         return None
     if target is aten.permute.default:
         return None if node.args[1][0] == 0 else "moves the batch dimension"
