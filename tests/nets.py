@@ -45,3 +45,49 @@ def train_side_by_side(cmodel, eager, x, steps: int, between=None, lr: float = 0
         if between is not None:
             between(step)
     return seen
+
+
+def compile_and_land(make_inputs, keep: dict):
+    """A ``check_training`` ``compile_fn``: autopar with its tiers compiled at once and no
+    race; two steps (the first compiles, the second measures and lands), then the model's
+    own state back, so the check starts from it. ``keep["m"]`` is the compiled module."""
+    import copy
+
+    import autopar
+    from autopar.profiling.store import ProfileStore
+
+    def compile_fn(m):
+        state = copy.deepcopy(m.state_dict())
+        cm = autopar.compile(m, inductor=True, background=False, race=False,
+                             store=ProfileStore.memory())  # fmt: skip
+        for _ in range(2):
+            out = cm(*make_inputs())
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+        m.load_state_dict(state)
+        m.zero_grad(set_to_none=True)
+        keep["m"] = cm
+        return cm
+
+    return compile_fn
+
+
+def race_side_by_side(model, x, steps: int, eager_margin: float | None = None):
+    """``model`` compiled by autopar with the race on (tiers compiled at once), trained
+    ``steps`` steps beside its eager twin (:func:`train_side_by_side`). ``eager_margin``:
+    the race's ``margin`` (10.0: eager never wins). Returns ``(cmodel, eager, pipeline,
+    the race variants that ran)``."""
+    import copy
+
+    import autopar
+    from autopar.profiling.store import ProfileStore
+
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, inductor=True, background=False,
+                             store=ProfileStore.memory())  # fmt: skip
+    pipe = cmodel._autopar_pipeline
+    if eager_margin is not None:
+        pipe.race.margin = eager_margin
+    ran = set()
+    train_side_by_side(cmodel, eager, x, steps,
+                       lambda step: ran.add(pipe.variant or "eager-or-compiled"))  # fmt: skip
+    return cmodel, eager, pipe, ran

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from nets import BranchyNet, train_side_by_side
+from nets import BranchyNet, compile_and_land, race_side_by_side, train_side_by_side
 from oracle import check_training
 
 import autopar
@@ -47,19 +47,7 @@ def test_zoo_trains_like_eager_on_the_joint_executor(name, always_land):
     equals eager by the fp64 oracle."""
     model, inputs = zoo.build(name)
     compiled = {}
-
-    def compile_fn(m):
-        state = copy.deepcopy(m.state_dict())
-        cm = autopar.compile(m, inductor=True, background=False, race=False,
-                             store=ProfileStore.memory())  # fmt: skip
-        for _ in range(2):  # step 1 compiles, step 2 measures and lands
-            out = cm(*_grad_inputs(inputs))
-            (out[0] if isinstance(out, tuple) else out).sum().backward()
-        m.load_state_dict(state)  # the check starts from the model's own state
-        m.zero_grad(set_to_none=True)
-        compiled["m"] = cm
-        return cm
-
+    compile_fn = compile_and_land(lambda: _grad_inputs(inputs), compiled)
     check_training(model, inputs, compile_fn, opt_name="sgd")
     executors = {u.tag: u.executor for u in autopar.graphs(compiled["m"])}
     assert set(executors.values()) == {"joint"}, executors
@@ -185,14 +173,8 @@ def test_the_step_race_judges_the_joint_candidate_and_training_stays_eager_equal
     halves say what whole steps measured."""
     torch.manual_seed(0)
     model = BranchyNet()
-    eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, inductor=True, background=False,
-                             store=ProfileStore.memory())  # fmt: skip
-    pipe = cmodel._autopar_pipeline
-    pipe.race.margin = 10.0  # eager never wins here: the race is between the compiled two
-    ran = set()
-    train_side_by_side(cmodel, eager, torch.randn(8, 16), 100,
-                       lambda step: ran.add(pipe.variant or "eager-or-compiled"))  # fmt: skip
+    # margin 10: eager never wins here, the race is between the compiled two
+    cmodel, eager, pipe, ran = race_side_by_side(model, torch.randn(8, 16), 100, 10.0)
     assert [v for v, _ in pipe.race.report().values()] != [None] and not pipe._racing
     assert "joint" in ran  # joint steps ran and trained like eager
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):

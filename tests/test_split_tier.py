@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from nets import BranchyNet, train_side_by_side
+from nets import BranchyNet, compile_and_land, race_side_by_side
 from oracle import check_training
 
 import autopar
@@ -151,17 +151,8 @@ def test_the_split_executor_trains_like_eager(monkeypatch):
     monkeypatch.setenv("AUTOPAR_TIERS", "split")
     monkeypatch.setattr(tiers, "JOINT_MARGIN", float("inf"))
     compiled = {}
-
-    def compile_fn(m):
-        state = copy.deepcopy(m.state_dict())
-        cm = autopar.compile(m, inductor=True, background=False, race=False,
-                             store=ProfileStore.memory())  # fmt: skip
-        for _ in range(2):  # step 1 compiles, step 2 measures and lands
-            cm(torch.randn(4, 3, 6, 6, requires_grad=True)).sum().backward()
-        m.load_state_dict(state)
-        m.zero_grad(set_to_none=True)
-        compiled["m"] = cm
-        return cm
+    make = lambda: [torch.randn(4, 3, 6, 6, requires_grad=True)]  # noqa: E731
+    compile_fn = compile_and_land(make, compiled)
 
     check_training(ConvBranches(), [torch.randn(4, 3, 6, 6)], compile_fn, opt_name="sgd")
     assert {u.executor for u in autopar.graphs(compiled["m"])} == {"split"}
@@ -174,13 +165,7 @@ def test_split_steps_race_and_train_like_eager(monkeypatch):
     monkeypatch.setenv("AUTOPAR_TIERS", "split")
     torch.manual_seed(0)
     model = ConvBranches()
-    eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, inductor=True, background=False,
-                             store=ProfileStore.memory())  # fmt: skip
-    pipe = cmodel._autopar_pipeline
-    ran = set()
-    train_side_by_side(cmodel, eager, torch.randn(4, 3, 6, 6), 40,
-                       lambda step: ran.add(pipe.variant))  # fmt: skip
+    _, eager, _, ran = race_side_by_side(model, torch.randn(4, 3, 6, 6), 40)
     assert "split" in ran
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
