@@ -57,6 +57,7 @@ def _dynamo_graph(model, *inputs):
         seen["gm"], seen["args"] = gm, list(example_inputs)
         return gm.forward
 
+    torch._dynamo.reset()  # many models share one forward's code: no recompile limit
     torch.compile(model, backend=backend, dynamic=False)(*inputs)
     return seen["gm"], seen["args"]
 
@@ -81,6 +82,7 @@ def test_row_wise_graphs_may_be_split(make, shape):
     (lambda y: y - y.mean(0), "batch"),
     (lambda y: y.t() @ y, "batch"),
     (lambda y: y.sum(), "batch"),
+    (lambda y: F.layer_norm(y, y.shape), "batch"),
 ])  # fmt: skip
 def test_graphs_that_mix_rows_or_draw_random_numbers_are_not_split(fn, why):
     model = Lambda(fn).train()
@@ -169,3 +171,57 @@ def test_split_steps_race_and_train_like_eager(monkeypatch):
     assert "split" in ran
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# Pieces for random models: row-wise ones, then ones that mix rows (flip, roll, cumsum along
+# the batch, statistics over it, a Gram matrix).
+_ROW_WISE = [
+    torch.relu, torch.tanh, lambda y: y * 2 + 1, lambda y: y.softmax(1),
+    lambda y: F.layer_norm(y, y.shape[1:]), lambda y: torch.cat([y, y.sin()], 1)[:, :8],
+    lambda y: y - y.mean(1, keepdim=True),
+    lambda y: torch.cat([y.view(y.shape[0], 2, 4).sum(1)] * 2, 1),
+]  # fmt: skip
+_MIXING = [
+    lambda y: y.flip(0), lambda y: y.roll(1, 0), lambda y: y.cumsum(0), lambda y: y.softmax(0),
+    lambda y: y - y.mean(0), lambda y: (y.t() @ y)[: y.shape[0]],
+]  # fmt: skip
+_PIECES = _ROW_WISE + _MIXING
+
+
+class _Random(nn.Module):
+    def __init__(self, picks):
+        super().__init__()
+        self.picks = picks
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in picks)
+
+    def forward(self, x):
+        for lin, k in zip(self.lins, self.picks, strict=True):
+            x = _PIECES[k](lin(x))
+        return x
+
+
+def test_property_the_analysis_splits_exactly_the_row_wise_chains():
+    """Random chains of three pieces: the analysis splits a chain exactly when it has no
+    row-mixing piece, and a chain it splits is computed row by row, numerically: the halves'
+    outputs, concatenated, are the whole batch's, and changing one row of the input changes
+    that row of the output only."""
+    gen = torch.Generator().manual_seed(0)
+    split = 0
+    for seed in range(24):
+        picks = torch.randint(len(_PIECES), (3,), generator=gen).tolist()
+        torch.manual_seed(seed)
+        model = _Random(picks).double()
+        x = torch.randn(8, 8, dtype=torch.float64)
+        gm, args = _dynamo_graph(model, x)
+        reason = split_reason(gm, args)
+        assert (reason is None) == all(k < len(_ROW_WISE) for k in picks), (picks, reason)
+        if reason is not None:
+            continue
+        split += 1
+        with torch.no_grad():
+            whole = model(x)
+            torch.testing.assert_close(torch.cat([model(x[:4]), model(x[4:])]), whole)
+            poked = x.clone()
+            poked[0] += 1.0
+            torch.testing.assert_close(model(poked)[1:], whole[1:])
+    assert split >= 3, split

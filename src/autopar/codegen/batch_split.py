@@ -170,13 +170,15 @@ def _row_wise(node: fx.Node, ins: list[fx.Node], batch: int) -> str | None:
     """None if ``node``'s output keeps the batch at dim 0, row by row."""
     target, tags = node.target, getattr(node.target, "tags", ())
     out = node.meta.get("val")
-    if target is operator.getitem:
-        return None  # an element of a row-wise op's tuple (split, max_pool's indices)
     first = node.args[0] if node.args else None
     vals = out if isinstance(out, list | tuple) else [out]
     if any(not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch
            for v in vals):  # fmt: skip
         return "does not keep the batch as its first dimension"
+    if target is operator.getitem:
+        return None  # an element of a row-wise op's tuple (split, max_pool's indices)
+    if target is aten.native_layer_norm.default and len(node.args[1]) >= first.meta["val"].dim():
+        return "normalizes over the batch dimension too"
     if torch.Tag.pointwise in tags:
         return _broadcasts_row_wise(node, ins, batch)
     if target in _ROW_WISE:
