@@ -123,3 +123,25 @@ def test_an_added_contender_races_only_its_own_signature():
     race.add("joint", "k")
     assert race.report()["other"][0] == "compiled"
     assert race.report()["k"] == (None, "racing again: joint ready")
+
+
+def test_a_contender_clearly_behind_stops_taking_turns():
+    """Four contenders: once each has its samples, those clearly behind the leader (eager,
+    split) take no more turns while the near-tie (compiled, joint) races on to the limit."""
+    from autopar.runtime.race import MAX_SAMPLES, SAMPLES
+
+    race = StepRace()
+    t, turns = 0.0, []
+    race.choose("k", t)
+    race.add("joint", "k")
+    race.add("split", "k")
+    cost = {"eager": 2.0, "compiled": 1.0, "joint": 0.98, "split": 1.5}
+    while race.report()["k"][0] is None and len(turns) < 400:
+        who = race.choose("k", t)
+        turns.append(who)
+        t += cost[who]
+    verdict, why = race.report()["k"]
+    assert verdict == "compiled", why  # 0.98 does not beat ADDED_MARGIN
+    counted = {k: len(v) for k, v in race._races["k"].samples.items()}
+    assert counted["split"] == counted["eager"] == SAMPLES, counted
+    assert counted["compiled"] == counted["joint"] == MAX_SAMPLES, counted

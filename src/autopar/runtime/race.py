@@ -18,7 +18,8 @@ After ``SAMPLES`` clean counted steps of each, the compiled path is kept only if
 step is at most ``MARGIN`` times the eager median; otherwise the module runs eagerly for
 that signature and says why. When the two medians are within ``UNCLEAR`` of each other,
 five steps each cannot tell them apart, so the race goes on, up to ``MAX_SAMPLES`` each,
-before that rule decides. A new compiled tier (a faster executor landing, a re-plan) calls
+before that rule decides; a contender already ``UNCLEAR`` behind the leader takes no more
+turns meanwhile (and cannot win). A new compiled tier (a faster executor landing, a re-plan) calls
 :meth:`StepRace.reset`: the race runs again, so a later improvement is not locked out by
 an early verdict.
 
@@ -81,6 +82,7 @@ class _Race:
     last: tuple[str, float, bool] | None = None  # (contender, start, counts) of the open step
     dirty: bool = True  # the open step compiled/measured something: don't count it
     turn: int = 0
+    out: set[str] = field(default_factory=set)  # clearly behind: no more turns (``_decide``)
 
 
 class StepRace:
@@ -119,7 +121,7 @@ class StepRace:
             else:
                 race.turn += 1
                 turn, step = divmod(race.turn - 1, self.run)
-                names = list(race.samples)  # eager, compiled, then the added ones
+                names = [k for k in race.samples if k not in race.out]  # eager, compiled, added
                 who = names[turn % len(names)]
                 counts = step == self.run - 1  # the last step of its turn
             race.last, race.dirty = (who, now, counts), False
@@ -160,7 +162,7 @@ class StepRace:
     def _restart(reason: str, races: list[_Race]) -> None:
         for race in races:
             race.samples = {k: [] for k in race.samples}
-            race.verdict, race.reason, race.dirty = None, reason, True
+            race.verdict, race.reason, race.dirty, race.out = None, reason, True, set()
 
     def _decide(self, race: _Race) -> None:
         names = list(race.samples)  # eager, compiled, then the added ones
@@ -174,10 +176,16 @@ class StepRace:
         prefer = ["compiled", *(k for k in names if k not in BASE), "eager"]
         scale = {"eager": self.margin, "compiled": 1.0}
         score = {k: med[k] * scale.get(k, 1.0 / ADDED_MARGIN) for k in names}
-        ranked = sorted(prefer, key=lambda k: score[k])  # stable: ties keep `prefer` order
-        best, second = ranked[0], ranked[1]
-        if (abs(score[second] - score[best]) < UNCLEAR * score[best]
-                and min(counts.values()) < self.max_samples):  # fmt: skip
+        # A contender clearly behind the leader takes no more turns (and cannot win): a
+        # near-tie between the others races on without it (a race of four had run
+        # 10 + 9 + 10 + 9 steps, 2026-11-30).
+        best = min((k for k in prefer if k not in race.out), key=lambda k: score[k])
+        race.out |= {k for k in names if k != best and score[k] > (1 + UNCLEAR) * score[best]}
+        live = [k for k in prefer if k not in race.out]  # `prefer` order: ties keep it
+        ranked = sorted(live, key=lambda k: score[k])
+        best = ranked[0]
+        if (len(ranked) > 1 and score[ranked[1]] - score[best] < UNCLEAR * score[best]
+                and min(counts[k] for k in live) < self.max_samples):  # fmt: skip
             race.reason = f"racing on: medians within {UNCLEAR:.0%} after {steps}"
             return
         race.verdict = best
