@@ -19,9 +19,9 @@ step is at most ``MARGIN`` times the eager median; otherwise the module runs eag
 that signature and says why. When the two medians are within ``UNCLEAR`` of each other,
 five steps each cannot tell them apart, so the race goes on, up to ``MAX_SAMPLES`` each,
 before that rule decides; a contender already ``UNCLEAR`` behind the leader takes no more
-turns meanwhile (and cannot win). A new compiled tier (a faster executor landing, a re-plan) calls
-:meth:`StepRace.reset`: the race runs again, so a later improvement is not locked out by
-an early verdict.
+turns meanwhile (and cannot win). A new compiled tier (a faster executor landing, a
+re-plan) calls :meth:`StepRace.reset`: the race runs again, so a later improvement is not
+locked out by an early verdict.
 
 More compiled contenders can join (:meth:`StepRace.add`): a whole-graph tier whose worth
 only whole steps show (``"joint"``, the Dynamo graph compiled by ``torch.compile``'s own

@@ -397,11 +397,13 @@ class Tiers:
     def _launch_next(self) -> None:
         """Start the next queued warm-up if none is running (one compile process at a time);
         whole-graph warm-ups only when no other is queued."""
-        queue = self._queue or self._graph_queue
-        if not queue or self._running():
+        if self._running():
             return
-        cand = queue.pop(0)
-        if not self._offered(cand):
+        cand = None
+        while (queue := self._queue or self._graph_queue) and cand is None:
+            cand = queue.pop(0)
+            cand = cand if self._offered(cand) else None  # not offered: the next one
+        if cand is None:
             return
         try:
             cand.proc = cand.warm()
@@ -431,8 +433,7 @@ class Tiers:
         why = check() if check is not None else None
         if why is not None:
             cand.error = f"not offered: {why}"
-            self.events.append(f"{cand.tag}: {cand.name} {cand.error}")
-            log.info("autopar: %s: %s %s", cand.tag, cand.name, cand.error)
+            self._event(cand, f"{cand.name} {cand.error}")
         return cand.error is None
 
     def _build(self, record, tier: _Tier) -> None:
@@ -481,8 +482,10 @@ class Tiers:
                            measured=measured)
             self._event(record, f"{verdict}: kept {record.executor}")
 
-    def _event(self, record, text: str) -> None:
-        line = f"{record.tag}: {text}"
+    def _event(self, owner, text: str) -> None:
+        """One line in ``events`` and the log: ``owner`` (a record, a Dynamo graph or a
+        candidate) names the graph by its ``tag``."""
+        line = f"{owner.tag}: {text}"
         self.events.append(line)
         log.info("autopar: %s", line)
 
