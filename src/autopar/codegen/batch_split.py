@@ -33,11 +33,13 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.inductor import TensorMeta
-from autopar.codegen.joint import JointProgram, compile_joint
+from autopar.codegen.joint import JointProgram, compile_joint, start_joint_warmup
 
 #: Inductor settings of a half-batch compile: the C++ wrapper (the graph runs without the
 #: GIL) and one OpenMP thread in every kernel (two halves share the two cores).
 SPLIT_OPTIONS = {"cpp_wrapper": True, "cpp.threads": 1}
+#: The partition of a half-batch compile (see :func:`compile_split`).
+SPLIT_PARTITION = "default"
 #: Fewer rows than this per half and the per-call costs (a thread hand-off, the join) win.
 MIN_ROWS = 2
 
@@ -56,19 +58,18 @@ _ROW_WISE = {
     aten.ones_like.default: 0, aten.full_like.default: 0, aten.new_zeros.default: 0,
     aten.new_ones.default: 0, aten.new_empty.default: 0, aten.new_full.default: 0,
 }  # fmt: skip
-# Ops with a ``dim`` (or dims) argument at position 1: row-wise unless it names dim 0.
+# Ops that work along the dimensions named by their arguments at these positions (a dim or
+# a list of dims; a missing argument counts as dim 0): row-wise unless one of them is dim 0.
 _ALONG_DIM = {
-    aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
-    aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
-    aten.log_softmax.int, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.unbind.int, aten.select.int, aten.unsafe_split.Tensor, aten.chunk.default,
-    aten.unsafe_split_with_sizes.default, aten.slice.Tensor, aten.transpose.int,
-    aten.squeeze.dim, aten.unsqueeze.default, aten.max.dim, aten.min.dim,
+    aten.mean.dim: (1,), aten.sum.dim_IntList: (1,), aten.amax.default: (1,),
+    aten.amin.default: (1,), aten.max.dim: (1,), aten.min.dim: (1,),
+    aten._softmax.default: (1,), aten._log_softmax.default: (1,), aten.softmax.int: (1,),
+    aten.log_softmax.int: (1,), aten.unbind.int: (1,), aten.select.int: (1,),
+    aten.slice.Tensor: (1,), aten.squeeze.dim: (1,), aten.unsqueeze.default: (1,),
+    aten.transpose.int: (1, 2), aten.split.Tensor: (2,), aten.split_with_sizes.default: (2,),
+    aten.unsafe_split.Tensor: (2,), aten.unsafe_split_with_sizes.default: (2,),
+    aten.chunk.default: (2,),
 }  # fmt: skip
-
-
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
-           aten.unsafe_split_with_sizes.default, aten.chunk.default}  # fmt: skip
 
 
 def batched_inputs(gm: fx.GraphModule, args: list) -> tuple[list[int], int] | str:
@@ -189,16 +190,12 @@ def _row_wise(node: fx.Node, ins: list[fx.Node], batch: int) -> str | None:
             return None
         return "takes the batch in another operand than its rows"
     if target in _ALONG_DIM and first in ins:
-        dims = node.args[1] if len(node.args) > 1 else None
-        dims = list(dims) if isinstance(dims, list | tuple) else [dims]
-        rank = first.meta["val"].dim()
-        if target is aten.transpose.int:
-            dims = list(node.args[1:3])
-        if target in _SPLITS:
-            dims = [node.args[2] if len(node.args) > 2 else 0]
-        if target in (aten.select.int, aten.slice.Tensor, aten.unbind.int):
-            dims = [node.args[1] if len(node.args) > 1 else 0]
-        if any(d is None or d % max(rank, 1) == 0 for d in dims):
+        rank = max(first.meta["val"].dim(), 1)
+        dims = []
+        for pos in _ALONG_DIM[target]:
+            d = node.args[pos] if len(node.args) > pos else 0
+            dims += list(d) if isinstance(d, list | tuple) else [d]
+        if not dims or any(d is None or d % rank == 0 for d in dims):  # [] or None: all
             return "works along the batch dimension"
         return None
     if target in (aten.cat.default, aten.stack.default):
@@ -228,13 +225,19 @@ def _broadcasts_row_wise(node: fx.Node, ins: list[fx.Node], batch: int) -> str |
     return None
 
 
+def start_split_warmup(gm: fx.GraphModule, half_args: list, tag: str):
+    """:func:`compile_split` in a background process (``python -m autopar.codegen.joint``
+    with the same settings), so that the compile here later hits Inductor's cache."""
+    return start_joint_warmup(gm, half_args, tag, SPLIT_OPTIONS, partition=SPLIT_PARTITION)
+
+
 def compile_split(gm: fx.GraphModule, half_args: list, *, tag: str) -> JointProgram:
     """``gm`` compiled whole (forward and backward) for one half batch ``half_args`` with
     :data:`SPLIT_OPTIONS`: the program each of the two threads runs. AOTAutograd's default
     partition (the backward reuses the forward's activations; ``torch.compile``'s min-cut
     partition recomputes cheap ones): inception's split forward and backward took 11.8 ms
     with it and 13.6 ms with min-cut, against 16.5-17.2 ms for ``torch.compile`` (2026-11-30)."""
-    return compile_joint(gm, half_args, tag=tag, options=SPLIT_OPTIONS, partition="default")
+    return compile_joint(gm, half_args, tag=tag, options=SPLIT_OPTIONS, partition=SPLIT_PARTITION)
 
 
 def halve(meta: list, picked: list[int]) -> list:

@@ -36,15 +36,15 @@ from typing import Any
 import torch
 
 from autopar.codegen.batch_split import (
-    SPLIT_OPTIONS,
     batched_inputs,
     compile_split,
     halve,
     split_reason,
+    start_split_warmup,
 )
 from autopar.codegen.emit import Program
 from autopar.codegen.inductor import input_meta, stand_ins
-from autopar.codegen.joint import JointProgram, roles, start_joint_warmup, with_roles
+from autopar.codegen.joint import JointProgram, roles, with_roles
 from autopar.runtime.streams import (
     intra_op_threads,
     release_idle_omp_team,
@@ -163,7 +163,7 @@ def split_parts(gm, args: list, tag: str):
         return found if isinstance(found, str) else split_reason(gm, stand_ins(meta))
 
     def warm():
-        return start_joint_warmup(gm, half_inputs(), tag, SPLIT_OPTIONS, partition="default")
+        return start_split_warmup(gm, half_inputs(), tag)
 
     def build():
         return SplitProgram(compile_split(gm, half_inputs(), tag=tag), picked, batch)
