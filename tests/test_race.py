@@ -174,3 +174,22 @@ def test_per_round_ratios_give_the_verdict_on_a_box_whose_load_jumps():
     assert verdict == "compiled" and f"{SAMPLES} + {SAMPLES} + {SAMPLES} steps" in why, why
     ratios = dict(re.findall(r"(eager|compiled) ([0-9.]+)", why.split("per round vs joint:")[1]))
     assert abs(float(ratios["eager"]) - 1.5) < 0.03 and abs(float(ratios["compiled"]) - 0.9) < 0.02
+
+
+def test_the_reference_keeps_its_turns_while_clearly_behind():
+    """Split and compiled race on (a near-tie) while the joint reference is clearly
+    behind: it keeps taking turns, so their per-round scores keep getting samples."""
+    from autopar.runtime.race import MAX_SAMPLES
+
+    race = StepRace()
+    t = 0.0
+    race.choose("k", t)
+    race.add("joint", "k")
+    race.add("split", "k")
+    cost = {"eager": 2.0, "compiled": 0.60, "joint": 1.0, "split": 0.59}
+    while race.report()["k"][0] is None and t < 1e6:
+        t += cost[race.choose("k", t)]
+    verdict, why = race.report()["k"]
+    counted = {k: len(v) for k, v in race._races["k"].samples.items()}
+    assert counted["joint"] == counted["compiled"] == counted["split"] == MAX_SAMPLES, counted
+    assert verdict == "split", why  # at the limit, the lower of the near-tie wins

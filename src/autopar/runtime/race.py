@@ -19,7 +19,8 @@ slower than eager (``MARGIN``, below); otherwise the module runs eagerly for tha
 signature and says why. When the two are within ``UNCLEAR`` of each other, a few steps
 each cannot tell them apart, so the race goes on, up to ``MAX_SAMPLES`` each, before that
 rule decides; a contender already ``UNCLEAR`` behind the leader takes no more
-turns meanwhile (and cannot win). A new compiled tier (a faster executor landing, a
+turns meanwhile (and cannot win), except the reference (below), which every score is
+measured against. A new compiled tier (a faster executor landing, a
 re-plan) calls :meth:`StepRace.reset`: the race runs again, so a later improvement is not
 locked out by an early verdict.
 
@@ -198,9 +199,11 @@ class StepRace:
         score = {k: per_round[k] * scale.get(k, 1.0 / ADDED_MARGIN) for k in names}
         # A contender clearly behind the leader takes no more turns (and cannot win): a
         # near-tie between the others races on without it (a race of four had run
-        # 10 + 9 + 10 + 9 steps, 2026-11-30).
+        # 10 + 9 + 10 + 9 steps, 2026-11-30). The reference always takes its turns: every
+        # score is measured against its steps.
         best = min((k for k in prefer if k not in race.out), key=lambda k: score[k])
-        race.out |= {k for k in names if k != best and score[k] > (1 + UNCLEAR) * score[best]}
+        race.out |= {k for k in names
+                     if k not in (best, ref) and score[k] > (1 + UNCLEAR) * score[best]}
         live = [k for k in prefer if k not in race.out]  # `prefer` order: ties keep it
         ranked = sorted(live, key=lambda k: score[k])
         best = ranked[0]
