@@ -1,9 +1,9 @@
 """Replay the step race's rules on recorded training steps (issue 12, 2026-12-02).
 
-The race (``autopar.runtime.race``) picks a module's executor from five to fifteen steps per
-contender. On a 2-core box a step's interquartile range can be 25% of its median, so which
-rule decides near-ties matters more than the clock. This script records what the race sees
-and replays it through two rules:
+The race (``autopar.runtime.race``) picks a module's executor from eight to twenty steps per
+contender (five to fifteen before). On a 2-core box a step's interquartile range can be 25%
+of its median, so which rule decides near-ties matters more than the clock. This script
+records what the race sees and replays it through two rules:
 
 * ``collect``: settle autopar on one bench model with every contender kept runnable, then
   run ``--rounds`` rounds of the race's pattern (each contender ``RUN`` consecutive steps,
