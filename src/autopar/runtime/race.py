@@ -190,12 +190,12 @@ class StepRace:
         if min(counts.values()) < self.samples:
             return
         ref = next(k for k in REFERENCE if k in race.samples)
-        med = {k: statistics.median(race.samples[k]) for k in names}
         # Each contender's step over the reference's step of the same round, scaled by
         # its margin; ties go to the reference, then the other compiled ones, then eager.
         prefer = [ref, *(k for k in names if k not in (ref, "eager")), "eager"]
         scale = {ref: 1.0, "eager": self.margin}
-        per_round = {k: _per_round(race.samples[k], race.samples[ref]) for k in names}
+        per_round = {k: 1.0 if k == ref else _per_round(race.samples[k], race.samples[ref])
+                     for k in names}  # fmt: skip
         score = {k: per_round[k] * scale.get(k, 1.0 / ADDED_MARGIN) for k in names}
         # A contender clearly behind the leader takes no more turns (and cannot win): a
         # near-tie between the others races on without it (a race of four had run
@@ -212,6 +212,7 @@ class StepRace:
             race.reason = f"racing on: within {UNCLEAR:.0%} after {steps}"
             return
         race.verdict = best
+        med = {k: statistics.median(race.samples[k]) for k in names}  # for the reason only
         others = "".join(f" vs {k} {med[k] * 1e3:.2f} ms" for k in names if k not in BASE)
         rounds = ", ".join(f"{k} {per_round[k]:.3f}" for k in names if k != ref)
         race.reason = (
