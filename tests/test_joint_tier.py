@@ -188,7 +188,7 @@ def test_the_step_race_judges_the_joint_candidate_and_training_stays_eager_equal
 def test_a_failed_warm_up_reports_its_last_line():
     """Warm-ups write stderr to a file, not a pipe that nobody reads while they run (a full
     pipe would block the child forever); a failure's last line is what the log shows."""
-    from autopar.codegen.inductor import spawn_warmup, warmup_error
+    from autopar.codegen.warmup import spawn_warmup, warmup_error
 
     proc = spawn_warmup("autopar.codegen.joint", "/nonexistent/autopar-job.pt")
     proc.wait(timeout=120)

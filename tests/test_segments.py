@@ -30,6 +30,7 @@ from autopar.codegen.segments import (
     refine_for_segments,
     segment_makespan,
 )
+from autopar.codegen.warmup import warmup_error
 from autopar.errors import PlanError
 from autopar.planning.costmodel import MachineModel
 from autopar.planning.partition import make_plan as plan_table
@@ -229,8 +230,8 @@ def test_warmup_process_compiles_the_same_segments():
     gm = make_fx(branches)(x, w)
     plan = make_plan(gm, lambda i, n: n.name in {"mm_1", "t", "relu"}, 2)
     proc = start_segment_warmup(gm, input_meta([x, w]), plan, TAG)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, warmup_error(proc)
     hits = counters["inductor"]["fxgraph_cache_hit"]
     prog = compile_segment_tier(gm, input_meta([x, w]), plan, TAG)
     assert prog.streams_used == (0, 1)

@@ -123,10 +123,13 @@ def test_unknown_tier_name_is_a_clear_error(monkeypatch):
         tiers.default_candidates()
 
 
-def test_a_ready_tier_still_lands_after_the_race_chose_eager(always_land):
+def test_a_ready_tier_still_lands_after_the_race_chose_eager(always_land, monkeypatch):
     """An "eager" verdict makes no graph calls, and candidates land only at their graph's
     next call: once the warm-ups are done, one step runs compiled (uncounted), the tier
     lands, and the race starts again."""
+    # No pauses for the warm-up: the race decides while it compiles (a paused step is
+    # not a race sample, and this test needs the verdict before the tier is ready).
+    monkeypatch.setattr(tiers, "COMPILE_SHARE", 0.0)
     torch.manual_seed(0)
     model = BranchyNet().eval()
     cmodel = autopar.compile(model, inductor=True, background=True,
@@ -142,3 +145,41 @@ def test_a_ready_tier_still_lands_after_the_race_chose_eager(always_land):
     assert {u.executor for u in autopar.graphs(cmodel)} == {"inductor"}
     assert all({"plan", "inductor"} <= dict(u.measured).keys() for u in autopar.graphs(cmodel))
     assert {v for v, _ in race.report().values()} == {None}  # racing again
+
+
+class _Running:
+    """A warm-up job that has not finished."""
+
+    def poll(self):
+        return None
+
+    def kill(self):  # the Tiers' finalizer cancels what still runs
+        pass
+
+
+def test_training_yields_its_share_to_a_running_warm_up_and_only_then():
+    t = tiers.Tiers(background=True, candidates=())
+    assert t.compile_pause(0.010) == 0.0  # nothing compiles: no pause
+    t._procs.append(_Running())
+    share = tiers.COMPILE_SHARE
+    # the pause is share / (1 - share) of the step's own time: the warm-up gets `share` of
+    # the wall time; a long step is counted as MAX_STEP_S
+    assert t.compile_pause(0.010) == pytest.approx(0.010 * share / (1 - share))
+    assert t.compile_pause(60.0) == pytest.approx(tiers.MAX_STEP_S * share / (1 - share))
+
+
+def test_a_pause_for_a_warm_up_is_not_a_race_sample(monkeypatch):
+    """A step that waited for the background compile is not timed by the step race."""
+    from autopar.pipeline import Pipeline
+
+    cmodel = autopar.compile(torch.nn.Linear(4, 4), inductor=True, store=ProfileStore.memory())
+    pipe: Pipeline = cmodel._autopar_pipeline
+    paused = []
+    monkeypatch.setattr(pipe.tiers, "compile_pause", lambda step_s: paused.append(step_s) or 1e-3)
+    dirty = []
+    monkeypatch.setattr(pipe.race, "mark_dirty", lambda key: dirty.append(key))
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        cmodel(x).sum().backward()
+    assert len(paused) == 2  # every call after the first
+    assert len(dirty) >= 2

@@ -76,6 +76,7 @@ class Pipeline:
         self.progress: CompileProgress | None = None  # the compile now or last under way
         self._next: tuple[float, str] | None = None  # (start, reason): this step may compile
         self._call: float | None = None  # start of the forward call under way (None: none)
+        self._prev_call: float | None = None  # start of the previous forward call
         self._last_key = None
         self.variant: str | None = None  # the race's contender this step, beyond "compiled"
         self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
@@ -117,6 +118,15 @@ class Pipeline:
                 self._checked.add(shape)
         self.key = key
         t0 = time.perf_counter()
+        if self.tiers is not None and self._prev_call is not None:
+            # The background compile's share of the machine (runtime.tiers.COMPILE_SHARE),
+            # in proportion to the step's own work (not counting the previous pause).
+            pause = self.tiers.compile_pause(t0 - self._prev_call)
+            if pause > 0:
+                self.race.mark_dirty(key)  # the step that ends here waited: not a sample
+                time.sleep(pause)
+                t0 = time.perf_counter()
+        self._prev_call = t0
         path = self.race.choose(key, t0)
         if self._racing and self.race.verdict(key) is not None:
             self._settle_graphs(key)

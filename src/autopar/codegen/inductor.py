@@ -13,8 +13,8 @@ Two facts shape this module (measured on torch 2.13, see docs/executors.md):
 * A cold Inductor compile takes 20-40 s on a 2-core box, and compiling on a background
   thread of the training process is unsafe (FX tracing flips process-global flags that a
   Dynamo call on the training thread trips over; codegen restores the global RNG state).
-  So the *background* work runs in another process (:func:`start_warmup`: ``python -m
-  autopar.codegen.inductor``), which compiles the same graph and fills Inductor's on-disk
+  So the *background* work runs in another process (:func:`start_warmup`: a job for the
+  warm-up worker, ``codegen.warmup``), which compiles the same graph and fills Inductor's on-disk
   FX graph cache; the training process then compiles at a step boundary and hits the cache
   (tenths of a second to a few seconds instead of tens).
 
@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.emit import Program
+from autopar.codegen.warmup import load_warmup_job, spawn_warmup
 
 
 class TensorMeta(NamedTuple):
@@ -135,45 +135,16 @@ def compile_inductor(
 
 
 # -- the background half: a separate process fills Inductor's FX graph cache -------------
-def start_warmup(gm: fx.GraphModule, example_args: list, tag: str) -> subprocess.Popen:
-    """Start ``python -m autopar.codegen.inductor`` compiling ``gm`` for ``example_args``'
-    shapes in another process (low priority; the same settings, so the cache keys agree),
+def start_warmup(gm: fx.GraphModule, example_args: list, tag: str):
+    """Queue the compile of ``gm`` for ``example_args``' shapes in the warm-up process
+    (``codegen.warmup``: low priority; the same settings, so the cache keys agree),
     so that :func:`compile_inductor` here later hits the cache. The graph and the input
-    metadata travel in a temp file."""
+    metadata travel in a temp file. Returns the job's handle."""
     meta = input_meta(example_args)
     fd, path = tempfile.mkstemp(prefix="autopar-inductor-", suffix=".pt")
     os.close(fd)
     torch.save({"gm": gm, "meta": meta, "tag": tag}, path)
     return spawn_warmup("autopar.codegen.inductor", path)
-
-
-def spawn_warmup(module: str, job: str) -> subprocess.Popen:
-    """``python -m <module> <job file> <our pid>`` in its own session, stdout discarded.
-    Its stderr goes to an unnamed temp file (``proc.log``, read by :func:`warmup_error`),
-    not a pipe: nobody reads a pipe while the child runs, and once Inductor's warnings fill
-    it (64 KiB) the child would block forever."""
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, job, str(os.getpid())],
-        env=dict(os.environ), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=log, start_new_session=True,
-    )  # fmt: skip
-    proc.log = log
-    return proc
-
-
-def warmup_error(proc: subprocess.Popen) -> str:
-    """The last line a finished warm-up wrote to stderr (or its exit status), and close its
-    log; empty when it succeeded."""
-    log = getattr(proc, "log", None)
-    text = ""
-    if log is not None:
-        log.seek(0)
-        text = log.read().decode(errors="replace").strip()
-        log.close()
-    if not proc.returncode:
-        return ""
-    return text.splitlines()[-1] if text else f"exit {proc.returncode}"
 
 
 def input_meta(args: list) -> list:
@@ -194,36 +165,6 @@ def stand_ins(meta: list) -> list:
         if isinstance(m, TensorMeta) else m
         for m in meta
     ]  # fmt: skip
-
-
-def exit_with_parent(parent: int) -> None:
-    """The warm-up is for its parent's cache: once the parent is gone (even killed, when
-    its atexit handlers never ran), stop at once."""
-    import threading
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="autopar-parent-watch").start()
-
-
-def load_warmup_job(path: str, parent: int | None) -> dict:
-    """A warm-up process's start: register autopar's ops, follow the parent, yield the CPU
-    (low priority), and load (then delete) the job file its parent wrote."""
-    import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
-
-    if parent is not None:
-        exit_with_parent(parent)
-    os.nice(10)
-    try:
-        return torch.load(path, weights_only=False)
-    finally:
-        os.unlink(path)
 
 
 def _warmup_main(path: str, parent: int | None = None) -> int:

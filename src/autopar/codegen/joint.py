@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,13 +46,8 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.emit import Program
-from autopar.codegen.inductor import (
-    INDUCTOR_CONFIG,
-    input_meta,
-    load_warmup_job,
-    spawn_warmup,
-    stand_ins,
-)
+from autopar.codegen.inductor import INDUCTOR_CONFIG, input_meta, stand_ins
+from autopar.codegen.warmup import WarmupJob, load_warmup_job, spawn_warmup
 
 #: AOTAutograd settings for a joint compile (``torch._functorch.config.patch``), see above.
 AOT_CONFIG = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
@@ -141,7 +135,7 @@ def compile_joint(
 
 def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str,
                        options: dict | None = None, partition: str = "min-cut",
-                       ) -> subprocess.Popen:  # fmt: skip
+                       ) -> WarmupJob:  # fmt: skip
     """Start ``python -m autopar.codegen.joint`` compiling ``gm`` for ``example_args``'
     shapes in another process (low priority, the same settings, ``options`` and
     ``partition``), so that :func:`compile_joint` here later hits Inductor's cache."""

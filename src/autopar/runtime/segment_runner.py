@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import Program
-from autopar.codegen.inductor import load_warmup_job, spawn_warmup, stand_ins
+from autopar.codegen.inductor import stand_ins
 from autopar.codegen.segments import (
     SEGMENT_CALL_S,
     compile_segments,
@@ -38,6 +38,7 @@ from autopar.codegen.segments import (
     refine_for_segments,
     segment_makespan,
 )
+from autopar.codegen.warmup import load_warmup_job, spawn_warmup
 from autopar.planning.partition import make_plan
 from autopar.planning.plan import Plan, Stream
 
@@ -97,7 +98,7 @@ def compile_segment_tier(gm: fx.GraphModule, meta: list, plan: Plan, tag: str) -
 
 def start_segment_warmup(gm: fx.GraphModule, meta: list, plan: Plan, tag: str):
     """Start ``python -m autopar.runtime.segment_runner`` compiling ``plan``'s segments of
-    ``gm`` in another process (low priority); returns the ``Popen``."""
+    ``gm`` in the warm-up process (``codegen.warmup``, low priority); returns the job's handle."""
     fd, path = tempfile.mkstemp(prefix="autopar-segments-", suffix=".pt")
     os.close(fd)
     names = [n.name for n in gm.graph.nodes]

@@ -21,8 +21,19 @@ candidates here (cache hits), times them and the current tier on the real inputs
 their side effects undone (``runtime.measure``), and keeps the fastest; a candidate must
 take less than :data:`LAND_MARGIN` of the current tier's time to replace it.
 
-Warm-ups run one at a time, from the second step on (the first call of each graph only
-queues them). Why: on a small machine a compile process takes a core, and the first step's
+Warm-ups run one at a time, in one worker process per training process
+(``codegen.warmup``), from the second step on (the first call of each graph only queues
+them). While one compiles, the training thread sleeps at each forward call for
+:data:`COMPILE_SHARE` of the wall time, and the worker (at ``SCHED_IDLE``) runs only then or
+when the training leaves a core idle: the compile gets whole cores in short turns, never a
+core that a 2-thread OpenMP op is waiting for. HF BERT's first 90 s, fresh Inductor cache,
+2-core box (2026-12-02, ``benchmarks/early_steps.py``): 4,267 steps, every tier in place
+54 s after the first call, steps of 32-45 ms meanwhile (12 ms after; eager: about 7,000
+steps in 90 s); before (a process per warm-up in a session of its own, where its nice 10 did
+not count against the training's group): 1,568 steps in the first 70 s, steps of 39-1,220 ms
+while compiling, tiers in place after 50-61 s. Without the pauses the worker at
+``SCHED_IDLE`` got no CPU from a training loop that keeps both cores busy: no tier landed
+in 240 s. Why: on a small machine a compile process takes a core, and the first step's
 profiles (the store's entries, and every plan built from them) would measure operators on a
 machine that is half taken (2-thread OpenMP ops slow down 10-50x when a neighbour holds a
 core). For the same reason candidates are measured only once no warm-up is left running.
@@ -49,13 +60,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.codegen.inductor import (
-    compile_inductor,
-    input_meta,
-    stand_ins,
-    start_warmup,
-    warmup_error,
-)
+from autopar.codegen.inductor import compile_inductor, input_meta, stand_ins, start_warmup
+from autopar.codegen.warmup import warmup_error
 from autopar.runtime.joint_tier import (
     JOINT_MARGIN,
     joint_parts,
@@ -75,6 +81,15 @@ from autopar.runtime.split_tier import split_parts
 
 log = logging.getLogger("autopar")
 
+#: While a warm-up compiles, the training thread sleeps at each step boundary for this
+#: fraction of the wall time (a sleep of share / (1 - share) times the last step, at most
+#: ``MAX_STEP_S`` of it), so the warm-up (at ``SCHED_IDLE``: ``codegen.warmup.yield_cpu``)
+#: gets the whole machine then and none of it while a step runs. HF BERT (module
+#: docstring): with 1/3, every tier was in place 84 s after the first call (7,860 steps in
+#: 150 s); with 1/2, after 51-54 s (6,650 steps in 120 s). A compile's CPU time is paid by
+#: the training either way; a half share pays it soonest without OpenMP stalls.
+COMPILE_SHARE = 0.5
+MAX_STEP_S = 1.0
 #: A candidate must take at most this fraction of the current tier's time to be swapped in
 #: (measurement noise must not flip executors back and forth).
 LAND_MARGIN = 0.97
@@ -91,7 +106,7 @@ class Candidate:
     for it in another process, and how to compile it here."""
 
     name: str
-    warm: Callable[[], Any]  # starts the warm-up process (a Popen)
+    warm: Callable[[], Any]  # queues the warm-up (a codegen.warmup.WarmupJob)
     build: Callable[[], Any]  # compiles here (a cache hit once warmed); a Program
     proc: Any = None  # the warm-up process while it runs
     program: Any = None  # compiled here, waiting to be measured
@@ -342,6 +357,14 @@ class Tiers:
             return "kept"
         self._swap_graph(graph, records, ready[name], name, verdict, waited, measured)
         return "landed"
+
+    def compile_pause(self, step_s: float) -> float:
+        """Seconds the training thread yields at this step boundary (a forward call
+        ``step_s`` after the previous one) while a warm-up of this model compiles: its
+        :data:`COMPILE_SHARE` of the machine (module docstring); 0 when none runs."""
+        if not self._running():
+            return 0.0
+        return COMPILE_SHARE / (1.0 - COMPILE_SHARE) * min(step_s, MAX_STEP_S)
 
     def pending(self) -> int:
         tiers = (*self._tiers.values(), *self._graph_tiers.values())

@@ -87,7 +87,11 @@ CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
 PROBES = ("autopar", "autopar-plans")
 #: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
 QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "block": 1}
-DEFAULTS = {"steps": 60, "warmup": 3, "settle_steps": 300, "block": 1}
+#: 240 timed steps: identical ``torch.compile`` copies of one model, timed in rotation in one
+#: process, differed by up to 1.3-2.2% in median step (Transformer) and 0.5-1.6% (HF BERT)
+#: over 240 rounds (2026-12-02, 4 copies, 2 runs each); 60 rounds leave about twice that,
+#: as much as the gaps the bench is read for. The rounds cost seconds; the compiles minutes.
+DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 300, "block": 1}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
 NOISY_IQR_PCT = 50
 

@@ -1,0 +1,100 @@
+"""The warm-up worker (``autopar.codegen.warmup``): one background process compiles the
+tiers' candidates one job after another, at ``SCHED_IDLE``; failures, cancels and a dead
+worker are reported per job, and the next job still runs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from autopar.codegen import warmup
+from autopar.codegen.warmup import spawn_warmup, warmup_error
+
+THIS = "autopar.codegen.warmup"  # its own job writes the worker's pid and policy
+
+
+def _ran_in(job, path) -> dict:
+    job.wait(timeout=300)
+    assert job.returncode == 0, warmup_error(job)
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_jobs_share_one_worker_that_yields_the_cpu(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    ja, jb = spawn_warmup(THIS, str(a)), spawn_warmup(THIS, str(b))
+    first, second = _ran_in(ja, a), _ran_in(jb, b)
+    assert first["pid"] == second["pid"] != os.getpid()
+    if hasattr(os, "SCHED_IDLE"):
+        assert first["policy"] == os.SCHED_IDLE
+    # the same session: a session of its own is a scheduling group of its own (autogroups),
+    # where SCHED_IDLE no longer yields to the training process
+    assert first["sid"] == os.getsid(0)
+
+
+def test_a_failed_job_is_reported_and_the_next_one_runs(tmp_path):
+    bad = spawn_warmup("autopar.codegen.inductor", str(tmp_path / "missing.pt"))
+    good = tmp_path / "good.json"
+    after = spawn_warmup(THIS, str(good))
+    bad.wait(timeout=300)
+    assert bad.returncode != 0 and "FileNotFoundError" in warmup_error(bad)
+    assert _ran_in(after, good)["pid"] != os.getpid()
+
+
+def test_a_queued_job_can_be_cancelled(tmp_path):
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    j1, j2 = spawn_warmup(THIS, str(first)), spawn_warmup(THIS, str(second))
+    j2.kill()  # still queued behind j1: never sent
+    assert j2.poll() == -9 and not second.exists()
+    _ran_in(j1, first)
+    assert not second.exists()
+
+
+def test_a_killed_worker_is_replaced(tmp_path):
+    p = tmp_path / "p.json"
+    before = _ran_in(spawn_warmup(THIS, str(p)), p)["pid"]
+    os.kill(before, 9)  # as if the OOM killer took it between jobs
+    q = tmp_path / "q.json"
+    assert _ran_in(spawn_warmup(THIS, str(q)), q)["pid"] not in (before, os.getpid())
+
+
+def test_another_inductor_cache_gets_another_worker(tmp_path, monkeypatch):
+    p, q = tmp_path / "p.json", tmp_path / "q.json"
+    before = _ran_in(spawn_warmup(THIS, str(p)), p)["pid"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert _ran_in(spawn_warmup(THIS, str(q)), q)["pid"] != before
+
+
+def test_a_worker_that_exits_idle_as_a_job_arrives_hands_the_job_on(tmp_path):
+    """The worker exits after IDLE_EXIT_S without a job; a job sent just then is not lost."""
+    p = tmp_path / "p.json"
+    _ran_in(spawn_warmup(THIS, str(p)), p)
+    proc = warmup._WORKER._proc
+    proc.stdin.close()  # the worker ends as if idle (exit status 0)
+    proc.wait(timeout=60)
+    q = tmp_path / "q.json"
+    assert _ran_in(spawn_warmup(THIS, str(q)), q)["pid"] != proc.pid
+
+
+def test_a_job_that_kills_its_worker_twice_fails(tmp_path, monkeypatch):
+    """A job whose worker dies unanswered goes to a fresh worker once, then fails."""
+    import threading
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))  # a fresh worker: it
+    p = tmp_path / "p.json"  # imports torch for seconds before it can answer
+    job = spawn_warmup(THIS, str(p))
+    killed = []
+
+    def kill_workers():  # each worker this job is sent to dies before it answers
+        while job.poll() is None and len(killed) < 5:
+            proc = job.proc
+            if proc is not None and proc.pid not in killed:
+                proc.kill()
+                killed.append(proc.pid)
+
+    t = threading.Thread(target=kill_workers)
+    t.start()
+    job.wait(timeout=300)
+    t.join()
+    assert job.returncode != 0 and "worker exited" in warmup_error(job), warmup_error(job)
+    assert len(killed) == 2
