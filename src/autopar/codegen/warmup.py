@@ -221,7 +221,10 @@ class _Worker:
     def _read(self, proc: subprocess.Popen) -> None:
         """The worker's results, as they come; at its end, the job it left unfinished."""
         for line in proc.stdout:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:  # not a reply (the worker's prints go to its log): skip
+                continue
             with self._lock:
                 job = self._running
                 if job is not None and job.id == msg["id"]:
@@ -242,6 +245,11 @@ class _Worker:
                 else:  # twice: the job itself kills it
                     job._finish(rc or 1, f"the warm-up worker exited ({rc}): {_last_line(proc)}")
             self._feed()
+        for f in (proc.stdin, proc.stdout, getattr(proc, "log", None)):
+            try:
+                f.close()
+            except (AttributeError, OSError, ValueError):
+                pass
 
 
 def _last_line(proc) -> str:
