@@ -22,8 +22,9 @@ The compile patches three settings, and only for its own duration:
   ``autopar.explain`` shows) is produced even when the compile is a cache hit.
 
 As for the other Inductor tiers, the cold compile runs in a background process
-(:func:`start_joint_warmup`: ``python -m autopar.codegen.joint``) that fills Inductor's FX
-graph cache; the training process then compiles at a step boundary and hits it.
+(:func:`start_joint_warmup`: a job for the warm-up worker, ``codegen.warmup``) that fills
+Inductor's FX graph cache; the training process then compiles at a step boundary and hits
+it.
 
 Example::
 
@@ -136,9 +137,9 @@ def compile_joint(
 def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str,
                        options: dict | None = None, partition: str = "min-cut",
                        ) -> WarmupJob:  # fmt: skip
-    """Start ``python -m autopar.codegen.joint`` compiling ``gm`` for ``example_args``'
-    shapes in another process (low priority, the same settings, ``options`` and
-    ``partition``), so that :func:`compile_joint` here later hits Inductor's cache."""
+    """Queue the compile of ``gm`` for ``example_args``' shapes in the warm-up process
+    (``codegen.warmup``: low priority, the same settings, ``options`` and ``partition``), so
+    that :func:`compile_joint` here later hits Inductor's cache. Returns the job's handle."""
     fd, path = tempfile.mkstemp(prefix="autopar-joint-", suffix=".pt")
     os.close(fd)
     job = {"gm": gm, "dynamo": dynamo_meta(gm), "meta": input_meta(example_args),
