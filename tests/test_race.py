@@ -193,3 +193,12 @@ def test_the_reference_keeps_its_turns_while_clearly_behind():
     counted = {k: len(v) for k, v in race._races["k"].samples.items()}
     assert counted["joint"] == counted["compiled"] == counted["split"] == MAX_SAMPLES, counted
     assert verdict == "split", why  # at the limit, the lower of the near-tie wins
+
+
+def test_a_pause_before_a_step_is_not_counted():
+    """The caller's sleep for a background compile (``paused``) comes off the closing step."""
+    race = StepRace(samples=1, run=1)
+    race.choose("k", 0.0)  # the first step: compiled, dirty (it compiles)
+    race.choose("k", 1.0)  # closes nothing (dirty); eager's turn starts at 1.0
+    race.choose("k", 2.5, paused=0.5)  # eager's step: 1.5 s, of which 0.5 s a pause
+    assert race._races["k"].samples["eager"] == [1.0]

@@ -168,18 +168,22 @@ def test_training_yields_its_share_to_a_running_warm_up_and_only_then():
     assert t.compile_pause(60.0) == pytest.approx(tiers.MAX_STEP_S * share / (1 - share))
 
 
-def test_a_pause_for_a_warm_up_is_not_a_race_sample(monkeypatch):
-    """A step that waited for the background compile is not timed by the step race."""
-    from autopar.pipeline import Pipeline
-
+def test_a_pause_for_a_warm_up_is_not_timed_by_the_race(monkeypatch):
+    """The time a step waited for the background compile is not part of its race sample."""
     cmodel = autopar.compile(torch.nn.Linear(4, 4), inductor=True, store=ProfileStore.memory())
-    pipe: Pipeline = cmodel._autopar_pipeline
+    pipe = cmodel._autopar_pipeline
+    steps = []
+    monkeypatch.setattr(pipe.tiers, "compile_pause", lambda step_s: steps.append(step_s) or 0.05)
+    choose = pipe.race.choose
     paused = []
-    monkeypatch.setattr(pipe.tiers, "compile_pause", lambda step_s: paused.append(step_s) or 1e-3)
-    dirty = []
-    monkeypatch.setattr(pipe.race, "mark_dirty", lambda key: dirty.append(key))
+
+    def spy(key, now, pause=0.0):
+        paused.append(pause)
+        return choose(key, now, pause)
+
+    monkeypatch.setattr(pipe.race, "choose", spy)
     x = torch.randn(2, 4)
     for _ in range(3):
         cmodel(x).sum().backward()
-    assert len(paused) == 2  # every call after the first
-    assert len(dirty) >= 2
+    assert len(steps) == 2 and all(s < 0.05 for s in steps[1:])  # the step's own time
+    assert paused[0] == 0.0 and all(p >= 0.05 for p in paused[1:])

@@ -118,16 +118,17 @@ class Pipeline:
                 self._checked.add(shape)
         self.key = key
         t0 = time.perf_counter()
+        paused = 0.0
         if self.tiers is not None and self._prev_call is not None:
             # The background compile's share of the machine (runtime.tiers.COMPILE_SHARE),
             # in proportion to the step's own work (not counting the previous pause).
             pause = self.tiers.compile_pause(t0 - self._prev_call)
             if pause > 0:
-                self.race.mark_dirty(key)  # the step that ends here waited: not a sample
                 time.sleep(pause)
-                t0 = time.perf_counter()
+                t1 = time.perf_counter()
+                paused, t0 = t1 - t0, t1
         self._prev_call = t0
-        path = self.race.choose(key, t0)
+        path = self.race.choose(key, t0, paused)  # the pause is not the step's time
         if self._racing and self.race.verdict(key) is not None:
             self._settle_graphs(key)
         self.variant = None

@@ -121,15 +121,16 @@ class StepRace:
         self._races: dict[object, _Race] = {}
         self._lock = threading.Lock()
 
-    def choose(self, key, now: float) -> str:
-        """Close the previous step of ``key`` (counting its time) and pick ``"eager"``,
+    def choose(self, key, now: float, paused: float = 0.0) -> str:
+        """Close the previous step of ``key`` (counting its time, less ``paused`` seconds
+        the caller slept before ``now`` for a background compile) and pick ``"eager"``,
         ``"compiled"`` or an added contender for the step that starts ``now``."""
         with self._lock:
             race = self._race(key)
             if race.last is not None and not race.dirty and race.verdict is None:
                 who, t0, counts = race.last
                 if counts:
-                    race.samples[who].append(now - t0)
+                    race.samples[who].append(now - t0 - paused)
             if race.verdict is None and self.enabled:
                 self._decide(race)
             counts = False
