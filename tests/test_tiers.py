@@ -127,8 +127,8 @@ def test_a_ready_tier_still_lands_after_the_race_chose_eager(always_land, monkey
     """An "eager" verdict makes no graph calls, and candidates land only at their graph's
     next call: once the warm-ups are done, one step runs compiled (uncounted), the tier
     lands, and the race starts again."""
-    # No pauses for the warm-up: the race decides while it compiles (a paused step is
-    # not a race sample, and this test needs the verdict before the tier is ready).
+    # No pauses for the warm-up (runtime.tiers.COMPILE_SHARE): they would only make the
+    # steps before the verdict slower; what is tested is the landing after it.
     monkeypatch.setattr(tiers, "COMPILE_SHARE", 0.0)
     torch.manual_seed(0)
     model = BranchyNet().eval()

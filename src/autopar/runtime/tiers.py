@@ -30,8 +30,8 @@ core that a 2-thread OpenMP op is waiting for. HF BERT's first 90 s, fresh Induc
 2-core box (2026-12-02, ``benchmarks/early_steps.py``): 4,267 steps, every tier in place
 54 s after the first call, steps of 32-45 ms meanwhile (12 ms after; eager: about 7,000
 steps in 90 s); before (a process per warm-up in a session of its own, where its nice 10 did
-not count against the training's group): 1,568 steps in the first 70 s, steps of 39-1,220 ms
-while compiling, tiers in place after 50-61 s. Without the pauses the worker at
+not count against the training's group): 1,310 steps in the first 70 s, steps of 39-1,220 ms
+while compiling, tiers in place after 54-61 s. Without the pauses the worker at
 ``SCHED_IDLE`` got no CPU from a training loop that keeps both cores busy: no tier landed
 in 240 s. Why: on a small machine a compile process takes a core, and the first step's
 profiles (the store's entries, and every plan built from them) would measure operators on a
