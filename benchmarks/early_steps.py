@@ -10,7 +10,8 @@ with the tier events as they land. Run it once per variant, each in a fresh Indu
 
 * ``--contender eager``: the plain module (the throughput to compare with);
 * ``--contender autopar``: ``autopar.compile(model)``, defaults;
-* ``--contender plans``: ``autopar.compile(model, inductor=False)``: no background work.
+* ``--contender plans``: ``autopar.compile(model, inductor=False)``: no background work;
+* ``--contender backend``: ``torch.compile(model, backend="autopar", dynamic=False)``.
 
 Usage::
 
@@ -38,7 +39,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(BENCH_MODELS))
-    ap.add_argument("--contender", default="autopar", choices=("autopar", "plans", "eager"))
+    ap.add_argument("--contender", default="autopar",
+                    choices=("autopar", "plans", "eager", "backend"))  # fmt: skip
     ap.add_argument("--seconds", type=float, default=70.0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(message)s")
@@ -51,6 +53,8 @@ def main() -> None:
     store = tempfile.mkdtemp(prefix="autopar-early-")
     if args.contender == "eager":
         module = model
+    elif args.contender == "backend":
+        module = torch.compile(model, backend="autopar", dynamic=False, options={"store": store})
     else:
         module = autopar.compile(model, store=store, inductor=args.contender == "autopar")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -66,9 +70,10 @@ def main() -> None:
     print(f"{args.model} {args.contender}: {total} steps in {args.seconds:.0f} s; "
           f"per {WINDOW_S:.0f} s window from the first step: steps / median step")  # fmt: skip
     if args.contender != "eager":
-        print("  tiers: " + ("; ".join(module._autopar_pipeline.tiers.events) or "none landed"))
-        print("  race: " + "; ".join(f"{v}: {why}" for v, why in
-                                     module._autopar_pipeline.race.report().values()))
+        pipe = autopar.api._pipeline_of(module, "early_steps")
+        print("  tiers: " + ("; ".join(pipe.tiers.events) or "none landed"))
+        if args.contender != "backend":  # torch.compile owns the call: no race
+            print("  race: " + "; ".join(f"{v}: {why}" for v, why in pipe.race.report().values()))
     print("  " + "  ".join(f"{k * WINDOW_S:.0f}s: {len(v)} / {statistics.median(v) * 1e3:.0f} ms"
                            for k, v in sorted(windows.items())))  # fmt: skip
 

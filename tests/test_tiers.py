@@ -187,3 +187,35 @@ def test_a_pause_for_a_warm_up_is_not_timed_by_the_race(monkeypatch):
         cmodel(x).sum().backward()
     assert len(steps) == 2 and all(s < 0.05 for s in steps[1:])  # the step's own time
     assert paused[0] == 0.0 and all(p >= 0.05 for p in paused[1:])
+
+
+class _TwoGraphs(torch.nn.Module):
+    """Two Dynamo graphs per forward (a graph break between them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+@pytest.mark.parametrize("model", [torch.nn.Linear(4, 4), _TwoGraphs()], ids=["one", "break"])
+def test_backend_autopar_yields_once_a_step_to_a_running_warm_up(model, monkeypatch):
+    """``torch.compile(backend="autopar")`` has no forward call of autopar's to mark a step:
+    the step starts at the forward graph called after a backward one, and the training
+    yields the warm-up its share there once a step (graph breaks included)."""
+    monkeypatch.setattr(tiers, "default_candidates", lambda: ())  # nothing compiles for real
+    torch._dynamo.reset()
+    cmodel = torch.compile(model, backend="autopar", dynamic=False,
+                           options={"inductor": True, "store": ProfileStore.memory()})  # fmt: skip
+    x = torch.randn(2, 4)
+    cmodel(x).sum().backward()  # the first call creates the pipeline
+    pipe = autopar.api._pipeline_of(cmodel, "test")
+    steps = []
+    monkeypatch.setattr(pipe.tiers, "compile_pause", lambda step_s: steps.append(step_s) or 0.0)
+    for _ in range(4):
+        cmodel(x).sum().backward()
+    assert len(steps) == 3  # from the second step of the four on: one pause a step

@@ -78,6 +78,7 @@ class Pipeline:
         self._call: float | None = None  # start of the forward call under way (None: none)
         self._prev_call: float | None = None  # start of the previous forward call
         self._last_key = None
+        self._last_graph: GraphRecord | None = None  # backend="autopar": the last graph called
         self.variant: str | None = None  # the race's contender this step, beyond "compiled"
         self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
 
@@ -338,6 +339,9 @@ class Pipeline:
         if self.tiers is not None:
             if self.tiers.measuring:
                 return runner(args)  # a whole-graph tier's timed run, not a training call
+            if self._call is None and record.phase == "forward":
+                self._backend_step(record)
+            self._last_graph = record
             self.tiers.maybe_land(record, args)
             if record.runner is not runner:  # a tier landed: measure everything afresh
                 runner = record.runner
@@ -345,6 +349,25 @@ class Pipeline:
                 self.race.mark_dirty(self.key)
                 self.monitor.rebaseline(record)
         return self.monitor.on_call(record, runner, args)
+
+    def _backend_step(self, record: GraphRecord) -> None:
+        """A forward graph called outside :meth:`call` (``torch.compile(backend="autopar")``,
+        where no forward call of ours marks the steps): it starts a step when the graph
+        called before it was a backward one, or a forward one of the same or a later Dynamo
+        graph (the next step's first graph; in an inference loop, the same graph again).
+        There the training yields the background compile its share of the machine, as
+        :meth:`call` does (``runtime.tiers.COMPILE_SHARE``): without it a warm-up at
+        ``SCHED_IDLE`` gets no CPU from a loop that keeps both cores busy."""
+        prev = self._last_graph
+        if prev is not None and prev.phase == "forward" and prev.group < record.group:
+            return  # the same step's next graph (after a graph break)
+        now = time.perf_counter()
+        if self._prev_call is not None:
+            pause = self.tiers.compile_pause(now - self._prev_call)
+            if pause > 0:
+                time.sleep(pause)
+                now = time.perf_counter()
+        self._prev_call = now
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (each lands at its graph's next call)

@@ -23,8 +23,9 @@ take less than :data:`LAND_MARGIN` of the current tier's time to replace it.
 
 Warm-ups run one at a time, in one worker process per training process
 (``codegen.warmup``), from the second step on (the first call of each graph only queues
-them). While one compiles, the training thread sleeps at each forward call for
-:data:`COMPILE_SHARE` of the wall time, and the worker (at ``SCHED_IDLE``) runs only then or
+them). While one compiles, the training thread sleeps at each forward call (under
+``backend="autopar"``: at each step's first forward graph) for :data:`COMPILE_SHARE` of the
+wall time, and the worker (at ``SCHED_IDLE``) runs only then or
 when the training leaves a core idle: the compile gets whole cores in short turns, never a
 core that a 2-thread OpenMP op is waiting for. HF BERT's first 90 s, fresh Inductor cache,
 2-core box (2026-12-02, ``benchmarks/early_steps.py``): 4,267 steps, every tier in place
