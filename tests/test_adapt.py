@@ -241,3 +241,34 @@ def test_one_noisy_window_does_not_replan():
         adapt.wait(cm)
     assert rec.plan.plan_hash == stale
     assert not autopar.stats(cm).event.str.contains("re-profil|re-plan").any()
+
+
+def test_no_drift_is_judged_while_the_models_own_warm_up_compiles(monkeypatch):
+    """A background compile of the model itself shares the machine: the monitor records the
+    calls but takes no baseline and sees no drift then; once it is done, a fresh baseline."""
+    import autopar.runtime.tiers as tiers
+
+    monkeypatch.setattr(tiers, "default_candidates", lambda: ())  # nothing compiles for real
+    model = TwoBranch()
+    x, z = _inputs()
+    opts = autopar.AdaptOptions(window=3, warmup=1, threshold=4.0, confirm_windows=1)
+    cm = _compile(copy.deepcopy(model), policy="heft", adapt=opts, inductor=True)
+    pipe = cm._autopar_pipeline
+    compiling = [True]
+    pipe.tiers.compiling = lambda: compiling[0]  # a warm-up "runs" (nothing compiles)
+    pipe.tiers.compile_pause = lambda step_s: 0.0
+    rec_fw = lambda: {r.tag: r for r in pipe.records}["g0.fw"]  # noqa: E731
+    for _ in range(2 * opts.window + 2):
+        cm(x, z).backward()
+    st = pipe.monitor.state(rec_fw())
+    assert st.baseline is None and not st.ratios  # nothing judged while it compiled
+    adapt.inject_slowdown(cm, target="aten.mm.default", factor=100.0)
+    for _ in range(2 * opts.window):
+        cm(x, z).backward()
+    assert not autopar.stats(cm).event.str.contains("re-profil").any()
+    compiling[0] = False  # the compile is done: the next window is the baseline
+    for _ in range(opts.window + opts.warmup + 1):
+        cm(x, z).backward()
+    assert pipe.monitor.state(rec_fw()).baseline is not None
+    assert len(autopar.stats(cm)) > 0  # the calls were recorded all along
+    assert {r.executor for r in pipe.records} == {"plan"}

@@ -367,6 +367,11 @@ class Tiers:
             return 0.0
         return COMPILE_SHARE / (1.0 - COMPILE_SHARE) * min(step_s, MAX_STEP_S)
 
+    def compiling(self) -> bool:
+        """A warm-up of this model is compiling now: the machine is shared with it (the
+        monitor takes no drift evidence meanwhile)."""
+        return self._running()
+
     def pending(self) -> int:
         tiers = (*self._tiers.values(), *self._graph_tiers.values())
         return sum(not t.done for t in tiers)
