@@ -11,7 +11,8 @@ with the tier events as they land. Run it once per variant, each in a fresh Indu
 * ``--contender eager``: the plain module (the throughput to compare with);
 * ``--contender autopar``: ``autopar.compile(model)``, defaults;
 * ``--contender plans``: ``autopar.compile(model, inductor=False)``: no background work;
-* ``--contender backend``: ``torch.compile(model, backend="autopar", dynamic=False)``.
+* ``--contender backend``: ``torch.compile(model, backend="autopar", dynamic=False)``;
+* ``--contender torch.compile``: ``torch.compile(model)`` (its first step compiles).
 
 Usage::
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(BENCH_MODELS))
     ap.add_argument("--contender", default="autopar",
-                    choices=("autopar", "plans", "eager", "backend"))  # fmt: skip
+                    choices=("autopar", "plans", "eager", "backend", "torch.compile"))  # fmt: skip
     ap.add_argument("--seconds", type=float, default=70.0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(message)s")
@@ -53,6 +54,8 @@ def main() -> None:
     store = tempfile.mkdtemp(prefix="autopar-early-")
     if args.contender == "eager":
         module = model
+    elif args.contender == "torch.compile":
+        module = torch.compile(model)
     elif args.contender == "backend":
         module = torch.compile(model, backend="autopar", dynamic=False, options={"store": store})
     else:
@@ -69,7 +72,7 @@ def main() -> None:
     total = sum(len(v) for v in windows.values())
     print(f"{args.model} {args.contender}: {total} steps in {args.seconds:.0f} s; "
           f"per {WINDOW_S:.0f} s window from the first step: steps / median step")  # fmt: skip
-    if args.contender != "eager":
+    if args.contender not in ("eager", "torch.compile"):
         pipe = autopar.api._pipeline_of(module, "early_steps")
         print("  tiers: " + ("; ".join(pipe.tiers.events) or "none landed"))
         if args.contender != "backend":  # torch.compile owns the call: no race
