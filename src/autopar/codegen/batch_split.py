@@ -6,8 +6,10 @@ convolutions, and Inductor's C++ wrapper releases the GIL for a whole compiled g
 half batches of the Inception model, each compiled with ``cpp_wrapper`` at one OpenMP
 thread and run on two threads at once, took 13.7-14.7 ms per forward and backward against
 18.1-19.6 ms for ``torch.compile`` on the whole batch at two threads (1.32-1.34x,
-``benchmarks/batch_split.py``, 2026-11-30). The multi-tower MLP's GEMMs already scale on
-two threads, and there it lost (0.85x). Whole training steps decide
+``benchmarks/batch_split.py``, 2026-11-30). On the multi-tower MLP it lost (0.85x): two
+separate processes on half batches, no gradient summed, train it only 1.11-1.15x faster
+than one 2-thread process (``benchmarks/concurrency_ceiling.py``, 2026-12-02), less than
+the split's gradient sum and handoffs cost. Whole training steps decide
 (``autopar.runtime.split_tier``).
 
 A graph qualifies when every row of its outputs depends only on the same row of its batched
