@@ -120,15 +120,9 @@ class Pipeline:
         self.key = key
         t0 = time.perf_counter()
         paused = 0.0
-        if self.tiers is not None and self._prev_call is not None:
-            # The background compile's share of the machine (runtime.tiers.COMPILE_SHARE),
-            # in proportion to the step's own work (not counting the previous pause).
-            pause = self.tiers.compile_pause(t0 - self._prev_call)
-            if pause > 0:
-                time.sleep(pause)
-                t1 = time.perf_counter()
-                paused, t0 = t1 - t0, t1
-        self._prev_call = t0
+        if self.tiers is not None:
+            t1 = self._step_boundary(t0)
+            paused, t0 = t1 - t0, t1
         path = self.race.choose(key, t0, paused)  # the pause is not the step's time
         if self._racing and self.race.verdict(key) is not None:
             self._settle_graphs(key)
@@ -361,13 +355,19 @@ class Pipeline:
         prev = self._last_graph
         if prev is not None and prev.phase == "forward" and prev.group < record.group:
             return  # the same step's next graph (after a graph break)
-        now = time.perf_counter()
+        self._step_boundary(time.perf_counter())
+
+    def _step_boundary(self, now: float) -> float:
+        """A step starts at ``now``: sleep for the background compile's share of the machine
+        (``runtime.tiers.COMPILE_SHARE``), in proportion to the previous step's own work (not
+        counting its pause). Returns when the step's own work starts."""
         if self._prev_call is not None:
             pause = self.tiers.compile_pause(now - self._prev_call)
             if pause > 0:
                 time.sleep(pause)
                 now = time.perf_counter()
         self._prev_call = now
+        return now
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (each lands at its graph's next call)

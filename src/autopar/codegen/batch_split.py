@@ -228,8 +228,9 @@ def _broadcasts_row_wise(node: fx.Node, ins: list[fx.Node], batch: int) -> str |
 
 
 def start_split_warmup(gm: fx.GraphModule, half_args: list, tag: str):
-    """:func:`compile_split` in a background process (``python -m autopar.codegen.joint``
-    with the same settings), so that the compile here later hits Inductor's cache."""
+    """:func:`compile_split` queued for the warm-up process (``codegen.warmup``, a joint
+    compile job with the same settings), so that the compile here later hits Inductor's
+    cache. Returns the job's handle."""
     return start_joint_warmup(gm, half_args, tag, SPLIT_OPTIONS, partition=SPLIT_PARTITION)
 
 

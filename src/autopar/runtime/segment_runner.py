@@ -97,8 +97,9 @@ def compile_segment_tier(gm: fx.GraphModule, meta: list, plan: Plan, tag: str) -
 
 
 def start_segment_warmup(gm: fx.GraphModule, meta: list, plan: Plan, tag: str):
-    """Start ``python -m autopar.runtime.segment_runner`` compiling ``plan``'s segments of
-    ``gm`` in the warm-up process (``codegen.warmup``, low priority); returns the job's handle."""
+    """Queue the compile of ``plan``'s segments of ``gm`` in the warm-up process
+    (``codegen.warmup``, low priority; the job is this module's ``_warmup_main``); returns
+    the job's handle."""
     fd, path = tempfile.mkstemp(prefix="autopar-segments-", suffix=".pt")
     os.close(fd)
     names = [n.name for n in gm.graph.nodes]

@@ -109,7 +109,7 @@ class Candidate:
     name: str
     warm: Callable[[], Any]  # queues the warm-up (a codegen.warmup.WarmupJob)
     build: Callable[[], Any]  # compiles here (a cache hit once warmed); a Program
-    proc: Any = None  # the warm-up process while it runs
+    proc: Any = None  # the warm-up job (codegen.warmup.WarmupJob) while it runs
     program: Any = None  # compiled here, waiting to be measured
     error: str | None = None
     # Whether it applies, when that costs too much for a first call: None (it does) or why
@@ -363,7 +363,7 @@ class Tiers:
         """Seconds the training thread yields at this step boundary (a forward call
         ``step_s`` after the previous one) while a warm-up of this model compiles: its
         :data:`COMPILE_SHARE` of the machine (module docstring); 0 when none runs."""
-        if not self._running():
+        if not self.compiling():
             return 0.0
         return COMPILE_SHARE / (1.0 - COMPILE_SHARE) * min(step_s, MAX_STEP_S)
 
