@@ -202,3 +202,46 @@ def test_a_pause_before_a_step_is_not_counted():
     race.choose("k", 1.0)  # closes nothing (dirty); eager's turn starts at 1.0
     race.choose("k", 2.5, paused=0.5)  # eager's step: 1.5 s, of which 0.5 s a pause
     assert race._races["k"].samples["eager"] == [1.0]
+
+
+class _TwoGraphs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.2))
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_backend_autopar_races_eager_steps_and_hands_a_slow_program_to_eager():
+    """``torch.compile(backend="autopar")`` has no call of autopar's around the module: its
+    steps start at the Dynamo graph called first, and the race runs there too, its eager
+    steps running the Dynamo graphs as captured. A slow compiled program loses to them, and
+    training (BatchNorm statistics, dropout's random numbers) equals eager's throughout."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TwoGraphs()
+    eager = copy.deepcopy(model)
+    cmodel = torch.compile(model, backend="autopar", dynamic=False,
+                           options={"store": ProfileStore.memory(), "adapt": False})  # fmt: skip
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    x = torch.randn(4, 8)
+    for step in range(RUN * 2 * SAMPLES + 6):
+        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
+            torch.manual_seed(step)
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 0:  # inject: every compiled graph now takes 20 ms longer
+            pipe = autopar.api._pipeline_of(cmodel, "test")
+            for r in pipe.records:
+                r.runner = lambda a, f=r.runner: (time.sleep(0.02), f(a))[1]
+    (key, (verdict, why)), = pipe.race.report().items()
+    assert key == ("backend", 0) and verdict == "eager", why
+    assert "(steps from Dynamo graph g0)" in autopar.explain(cmodel)
+    for p, q in zip(model.state_dict().values(), eager.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

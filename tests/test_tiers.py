@@ -205,8 +205,8 @@ class _TwoGraphs(torch.nn.Module):
 @pytest.mark.parametrize("model", [torch.nn.Linear(4, 4), _TwoGraphs()], ids=["one", "break"])
 def test_backend_autopar_yields_once_a_step_to_a_running_warm_up(model, monkeypatch):
     """``torch.compile(backend="autopar")`` has no forward call of autopar's to mark a step:
-    the step starts at the forward graph called after a backward one, and the training
-    yields the warm-up its share there once a step (graph breaks included)."""
+    a step starts at the Dynamo graph called after one no earlier than itself, and the
+    training yields the warm-up its share there once a step (graph breaks included)."""
     monkeypatch.setattr(tiers, "default_candidates", lambda: ())  # nothing compiles for real
     torch._dynamo.reset()
     cmodel = torch.compile(model, backend="autopar", dynamic=False,
@@ -218,4 +218,4 @@ def test_backend_autopar_yields_once_a_step_to_a_running_warm_up(model, monkeypa
     monkeypatch.setattr(pipe.tiers, "compile_pause", lambda step_s: steps.append(step_s) or 0.0)
     for _ in range(4):
         cmodel(x).sum().backward()
-    assert len(steps) == 3  # from the second step of the four on: one pause a step
+    assert len(steps) == 4  # one pause a step (the first call was the step before them)

@@ -67,7 +67,7 @@ class Pipeline:
         self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
         self.capture = Capture(
             prepare=self.prepare, on_call=self.on_call, graph_passes=(fuse_cell_loops,),
-            on_graph_call=self.on_graph_call if self.tiers is not None else None,
+            on_graph_call=self.on_graph_call,
         )  # fmt: skip
         self._store = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
@@ -78,7 +78,10 @@ class Pipeline:
         self._call: float | None = None  # start of the forward call under way (None: none)
         self._prev_call: float | None = None  # start of the previous forward call
         self._last_key = None
-        self._last_graph: GraphRecord | None = None  # backend="autopar": the last graph called
+        # backend="autopar": the Dynamo graph called last, and the race's path of its step
+        self._last_group: int | None = None
+        self._path = "compiled"
+        self._graphs_done: set[int] = set()  # Dynamo graphs with no whole-graph tier left
         self.variant: str | None = None  # the race's contender this step, beyond "compiled"
         self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
 
@@ -123,22 +126,7 @@ class Pipeline:
         if self.tiers is not None:
             t1 = self._step_boundary(t0)
             paused, t0 = t1 - t0, t1
-        path = self.race.choose(key, t0, paused)  # the pause is not the step's time
-        if self._racing and self.race.verdict(key) is not None:
-            self._settle_graphs(key)
-        self.variant = None
-        if path not in ("eager", "compiled"):  # a whole-graph candidate's turn (or verdict)
-            self.variant, path = path, "compiled"
-        if self.tiers is not None:
-            self.tiers.poll()
-            pending = self.tiers.pending()
-            if path == "eager" and self.tiers.ready() and self._nudged.get(key) != pending:
-                self._nudged[key] = pending  # once per change: other signatures' graphs wait
-                # Candidates land only at their graphs' next calls, which an "eager" verdict
-                # would never make: this step runs compiled (not counted in the race); a
-                # tier that lands resets the race, one that loses leaves the verdict as is.
-                self.race.mark_dirty(key)
-                path = "compiled"
+        path, self.variant = self._choose_path(key, t0, paused)
         if path == "eager" or _empty_batch(args, kwargs):
             return model(*args, **kwargs)
         self._next = None
@@ -166,6 +154,28 @@ class Pipeline:
         if first:
             self.compile_seconds = time.perf_counter() - t0
         return out
+
+    def _choose_path(self, key, t0: float, paused: float) -> tuple[str, str | None]:
+        """The race's path for the step of ``key`` that starts at ``t0`` (after ``paused``
+        seconds of pause, not the step's time): ``("eager", None)``, ``("compiled", None)``
+        or ``("compiled", name)``, a whole-graph candidate's turn or verdict."""
+        path = self.race.choose(key, t0, paused)
+        if self._racing and self.race.verdict(key) is not None:
+            self._settle_graphs(key)
+        variant = None
+        if path not in ("eager", "compiled"):
+            variant, path = path, "compiled"
+        if self.tiers is not None:
+            self.tiers.poll()
+            pending = self.tiers.pending()
+            if path == "eager" and self.tiers.ready() and self._nudged.get(key) != pending:
+                self._nudged[key] = pending  # once per change: other signatures' graphs wait
+                # Candidates land only at their graphs' next calls, which an "eager" verdict
+                # would never make: this step runs compiled (not counted in the race); a
+                # tier that lands resets the race, one that loses leaves the verdict as is.
+                self.race.mark_dirty(key)
+                path = "compiled"
+        return path, variant
 
     def backend(self, gm, example_inputs):
         """This model's ``torch.compile`` backend: ``Capture.backend`` (Dynamo graph ->
@@ -285,16 +295,21 @@ class Pipeline:
         return out, record.runner
 
     def on_graph_call(self, graph, args):
-        """A call of a whole Dynamo graph while a whole-graph tier may still land for it
-        (``Tiers.maybe_land_graph``). The compiled candidates race the graph's runner over
+        """A call of a whole Dynamo graph. Under ``torch.compile(backend="autopar")`` it may
+        start a step (:meth:`_backend_graph_call`), whose race picks eager (the Dynamo graph
+        run as it is) or compiled. While a whole-graph tier may still land for the graph
+        (``Tiers.maybe_land_graph``), the compiled candidates race the graph's runner over
         whole steps (``runtime.race``: the race's ``"joint"`` steps run the joint one, its
-        ``"split"`` steps the batch split), or, with the race off, the fastest lands by a
-        timed forward and backward. Once nothing is left, the graph's
-        calls go straight to its runner (``graph.on_call = None``)."""
+        ``"split"`` steps the batch split), or, with the race off or under the backend, the
+        fastest lands by a timed forward and backward. Once nothing is left, the graph's
+        calls go straight to its runner (``graph.on_call = None``; not under the backend,
+        whose steps start here)."""
         tiers = self.tiers
-        if tiers.measuring:  # a timed forward and backward of the tier's measurement
+        if tiers is not None and tiers.measuring:  # a timed forward and backward of a tier
             return graph.runner(*args)
-        if not graph.candidates:
+        if self._call is None and self._backend_graph_call(graph) == "eager":
+            return graph.gm(*args)
+        if tiers is not None and not graph.candidates and id(graph) not in self._graphs_done:
             # Whole steps judge only where the race runs: inside this pipeline's own call
             # (torch.compile(backend="autopar") calls the graphs without it).
             by_steps = self.race.enabled and self._call is not None
@@ -310,9 +325,31 @@ class Pipeline:
             elif state == "landed":
                 self.race.reset()
             if state in ("landed", "kept", "done"):
-                graph.on_call = None
+                self._graphs_done.add(id(graph))
+        if (id(graph) in self._graphs_done or tiers is None) and self._call is not None:
+            graph.on_call = None
         prog = graph.candidates.get(self.variant)
         return (prog.fn if prog is not None else graph.runner)(*args)
+
+    def _backend_graph_call(self, graph) -> str:
+        """A Dynamo graph called outside :meth:`call` (``torch.compile(backend="autopar")``,
+        where no forward call of ours marks the steps); returns its path, ``"eager"`` or
+        ``"compiled"``. A step starts at a graph no later than the one called before it
+        (the next step's first graph; in an inference loop, the same graph again). There,
+        as in :meth:`call`, the training yields the background compile its share of the
+        machine (without it a warm-up at ``SCHED_IDLE`` gets no CPU from a loop that keeps
+        both cores busy), and the race picks the step's path: its key is ``("backend", k)``
+        for the step's first graph ``g<k>``, and its eager steps run each Dynamo graph as
+        Dynamo captured it (``graph.gm``: eager ops, eager autograd)."""
+        prev, self._last_group = self._last_group, graph.group
+        if prev is not None and prev < graph.group:
+            return self._path  # the same step's next graph (after a graph break)
+        start = t0 = time.perf_counter()
+        if self.tiers is not None:
+            t0 = self._step_boundary(start)
+        self.key = ("backend", graph.group)
+        self._path, self.variant = self._choose_path(self.key, t0, t0 - start)
+        return self._path
 
     def _settle_graphs(self, key) -> None:
         """The race of ``key`` has a verdict: each Dynamo graph racing a candidate for that
@@ -333,9 +370,6 @@ class Pipeline:
         if self.tiers is not None:
             if self.tiers.measuring:
                 return runner(args)  # a whole-graph tier's timed run, not a training call
-            if self._call is None and record.phase == "forward":
-                self._backend_step(record)
-            self._last_graph = record
             self.tiers.maybe_land(record, args)
             if record.runner is not runner:  # a tier landed: measure everything afresh
                 runner = record.runner
@@ -343,19 +377,6 @@ class Pipeline:
                 self.race.mark_dirty(self.key)
                 self.monitor.rebaseline(record)
         return self.monitor.on_call(record, runner, args)
-
-    def _backend_step(self, record: GraphRecord) -> None:
-        """A forward graph called outside :meth:`call` (``torch.compile(backend="autopar")``,
-        where no forward call of ours marks the steps): it starts a step when the graph
-        called before it was a backward one, or a forward one of the same or a later Dynamo
-        graph (the next step's first graph; in an inference loop, the same graph again).
-        There the training yields the background compile its share of the machine, as
-        :meth:`call` does (``runtime.tiers.COMPILE_SHARE``): without it a warm-up at
-        ``SCHED_IDLE`` gets no CPU from a loop that keeps both cores busy."""
-        prev = self._last_graph
-        if prev is not None and prev.phase == "forward" and prev.group < record.group:
-            return  # the same step's next graph (after a graph break)
-        self._step_boundary(time.perf_counter())
 
     def _step_boundary(self, now: float) -> float:
         """A step starts at ``now``: sleep for the background compile's share of the machine

@@ -223,6 +223,8 @@ def input_key(model: torch.nn.Module, args, kwargs) -> tuple:
 
 
 def describe_key(key: tuple) -> str:
+    if key[0] == "backend":  # torch.compile(backend="autopar"): steps from Dynamo graph k
+        return f"(steps from Dynamo graph g{key[1]})"
     training, grad, amp, threads, *ins = key
     shapes = ", ".join(
         f"{list(x[0])} {x[1]}" if isinstance(x, tuple) and len(x) == 3 else repr(x) for x in ins

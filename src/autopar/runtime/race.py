@@ -46,7 +46,9 @@ best peer on average); with this rule and 8 to 20 samples in 1% (0.975x); GPT-2 
 
 Assumes one forward call per training step (the common loop); with several forwards per
 step the race compares call-to-call intervals, which still treat both contenders alike on
-average.
+average. Under ``torch.compile(model, backend="autopar")`` the pipeline marks the steps at
+the Dynamo graph calls instead (``Pipeline._backend_graph_call``), and an eager step runs
+each Dynamo graph as captured.
 
 Example::
 

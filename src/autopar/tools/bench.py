@@ -31,6 +31,8 @@ Inductor tier has landed, autopar no longer runs those programs, so a fourth con
 trains alongside in phase 3; the cost model's error is its predicted forward + backward graph
 time against the graph times its monitor measured there (median over the timed steps). It is
 not a peer: it never counts as "best". With ``--no-tier`` autopar itself is that contender.
+``--backend`` adds ``autopar-backend``, ``torch.compile(model, backend="autopar",
+dynamic=False)`` with the same options, settled like autopar; also a probe, not a peer.
 
 Example::
 
@@ -83,8 +85,10 @@ from autopar.tools.bench_settle import (
 from autopar.tools.bench_stats import ratio_interval
 
 CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
+#: ``--backend``: ``torch.compile(model, backend="autopar")``, after the others.
+BACKEND = "autopar-backend"
 #: Contenders that are references, not peers (never the "best" autopar is compared with).
-PROBES = ("autopar", "autopar-plans")
+PROBES = ("autopar", "autopar-plans", BACKEND)
 #: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
 QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "block": 1}
 #: 240 timed steps: identical ``torch.compile`` copies of one model, timed in rotation in one
@@ -223,6 +227,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="autopar with race=False: always the compiled path, no eager safety net",
     )
     parser.add_argument(
+        "--backend",
+        action="store_true",
+        help=f"also time torch.compile(model, backend='autopar') as {BACKEND!r}, settled "
+        "like autopar (a probe, not a peer)",
+    )
+    parser.add_argument(
         "--warm-cache",
         action="store_true",
         help="use Inductor's usual on-disk cache (default: a fresh empty cache per model and "
@@ -273,6 +283,7 @@ def resolve_args(args) -> argparse.Namespace:
     if args.warmup < 0 or args.settle_steps < 0:
         raise SystemExit("autopar bench: --warmup and --settle-steps must be >= 0")
     optional = {"no_tier": False, "no_background": False, "no_race": False, "no_adapt": False,
+                "backend": False,
                 "warm_cache": False, "wait_timeout": 900.0, "wait_quiet": 0.0,
                 "retries": 0}  # fmt: skip
     for name, default in optional.items():
@@ -364,6 +375,10 @@ def _make_contenders(model: nn.Module, args) -> list[Contender]:
             module = autopar.api.compile(m, **{**autopar_options(args), "inductor": False,
                                                "race": False})  # fmt: skip
         out.append(Contender(name, module, _optimizer(args.optimizer, m)))
+    if args.backend:
+        m = copy.deepcopy(model)
+        module = torch.compile(m, backend="autopar", dynamic=False, options=autopar_options(args))
+        out.append(Contender(BACKEND, module, _optimizer(args.optimizer, m)))
     return out
 
 
@@ -409,6 +424,9 @@ def bench_model(spec: BenchModel, args, default_threads: int) -> dict[str, Any]:
             run(c, record=False)
             if c is ap and c.error is None:  # phase 2, in the same Inductor cache
                 settle = autopar_settle(c, lambda c=c: run(c, record=False), args)
+            elif c.name == BACKEND and c.error is None:  # its race verdict, in its notes
+                got = autopar_settle(c, lambda c=c: run(c, record=False), args)
+                c.notes.extend(f"race {r['signature']}: {r['verdict']}" for r in got["race"])
     timed_per_round = max(args.block - 1, 1)
     for i in range(args.warmup + math.ceil(args.steps / timed_per_round)):  # phase 3
         k = i % len(contenders)  # rotate who goes first; reverse every other round (ABBA)

@@ -82,7 +82,7 @@ def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
     import autopar.api
     from autopar.adapt.shapes import describe_key
 
-    pipeline = c.module._autopar_pipeline
+    pipeline = autopar.api._pipeline_of(c.module, "autopar_settle")
     watch = TierWatch(c.module, c.t_first, c.compile_s or 0.0)
     t0 = time.perf_counter()
     waited = autopar.api.wait(c.module, timeout=args.wait_timeout)
@@ -111,9 +111,10 @@ def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
 
 def autopar_final(c, settle: dict[str, Any]) -> dict[str, Any]:
     """What runs autopar's graphs at the end of the run, and the race verdict then."""
+    import autopar.api
     from autopar.adapt.shapes import describe_key
 
-    pipeline = c.module._autopar_pipeline
+    pipeline = autopar.api._pipeline_of(c.module, "autopar_final")
     c.watch.look()
     graphs = c.watch.graphs()
     since = [g["final_since_s"] for g in graphs]
