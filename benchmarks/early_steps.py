@@ -14,6 +14,8 @@ with the tier events as they land. Run it once per variant, each in a fresh Indu
 * ``--contender backend``: ``torch.compile(model, backend="autopar", dynamic=False)``;
 * ``--contender torch.compile``: ``torch.compile(model)`` (its first step compiles).
 
+``--no-race`` runs the autopar contenders with ``race=False`` (no eager safety net).
+
 Usage::
 
     .venv/bin/python ../shared/tools/quiet-check --wait 60
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--contender", default="autopar",
                     choices=("autopar", "plans", "eager", "backend", "torch.compile"))  # fmt: skip
     ap.add_argument("--seconds", type=float, default=70.0)
+    ap.add_argument("--no-race", action="store_true", help="autopar/backend with race=False")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(message)s")
 
@@ -57,9 +60,11 @@ def main() -> None:
     elif args.contender == "torch.compile":
         module = torch.compile(model)
     elif args.contender == "backend":
-        module = torch.compile(model, backend="autopar", dynamic=False, options={"store": store})
+        module = torch.compile(model, backend="autopar", dynamic=False,
+                               options={"store": store, "race": not args.no_race})  # fmt: skip
     else:
-        module = autopar.compile(model, store=store, inductor=args.contender == "autopar")
+        module = autopar.compile(model, store=store, inductor=args.contender == "autopar",
+                                 race=not args.no_race)  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     windows: dict[int, list[float]] = {}
@@ -75,8 +80,7 @@ def main() -> None:
     if args.contender not in ("eager", "torch.compile"):
         pipe = autopar.api._pipeline_of(module, "early_steps")
         print("  tiers: " + ("; ".join(pipe.tiers.events) or "none landed"))
-        if args.contender != "backend":  # torch.compile owns the call: no race
-            print("  race: " + "; ".join(f"{v}: {why}" for v, why in pipe.race.report().values()))
+        print("  race: " + "; ".join(f"{v}: {why}" for v, why in pipe.race.report().values()))
     print("  " + "  ".join(f"{k * WINDOW_S:.0f}s: {len(v)} / {statistics.median(v) * 1e3:.0f} ms"
                            for k, v in sorted(windows.items())))  # fmt: skip
 
