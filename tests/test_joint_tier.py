@@ -196,20 +196,27 @@ def test_a_failed_warm_up_reports_its_last_line():
     assert "FileNotFoundError" in warmup_error(proc)
 
 
-def test_backend_autopar_lands_the_joint_tier_without_a_race(always_land):
-    """``torch.compile(backend="autopar")`` runs no step race (it does not own the module's
-    call): the joint candidate is judged by a timed forward and backward instead of waiting
-    for a race that never runs, and training stays eager's."""
+def test_backend_autopar_races_the_joint_tier_over_whole_steps(joint_only):
+    """``torch.compile(backend="autopar")`` marks its steps at the Dynamo graph calls, and the
+    joint candidate races whole steps there as under ``autopar.compile`` (E E C C J J ...):
+    joint steps run, the race decides, and training stays eager's under the same seeds."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = BranchyNet()
     eager = copy.deepcopy(model)
     cmodel = torch.compile(model, backend="autopar", dynamic=False,
-                           options={"inductor": True, "background": False})  # fmt: skip
-    x = torch.randn(4, 8)
-    for _ in range(3):
-        for m in (cmodel, eager):
-            m.zero_grad()
-            m(x).square().sum().backward()
-    assert {u.executor for u in autopar.graphs(cmodel)} == {"joint"}
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                           options={"inductor": True, "background": False,
+                                    "store": ProfileStore.memory()})  # fmt: skip
+    ran = set()
+
+    def between(step: int) -> None:
+        pipe = autopar.api._pipeline_of(cmodel, "test")
+        pipe.race.margin = 10.0  # eager never wins: the race is between the compiled two
+        ran.add(pipe.variant)
+
+    train_side_by_side(cmodel, eager, torch.randn(8, 16), 100, between)
+    pipe = autopar.api._pipeline_of(cmodel, "test")
+    (key, (verdict, why)), = pipe.race.report().items()
+    assert key == ("backend", 0) and verdict is not None and "vs joint" in why, why
+    assert "joint" in ran and not pipe._racing
+    for b, c in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)

@@ -300,8 +300,8 @@ class Pipeline:
         run as it is) or compiled. While a whole-graph tier may still land for the graph
         (``Tiers.maybe_land_graph``), the compiled candidates race the graph's runner over
         whole steps (``runtime.race``: the race's ``"joint"`` steps run the joint one, its
-        ``"split"`` steps the batch split), or, with the race off or under the backend, the
-        fastest lands by a timed forward and backward. Once nothing is left, the graph's
+        ``"split"`` steps the batch split), or, with the race off, the fastest lands by a
+        timed forward and backward. Once nothing is left, the graph's
         calls go straight to its runner (``graph.on_call = None``; not under the backend,
         whose steps start here)."""
         tiers = self.tiers
@@ -310,11 +310,8 @@ class Pipeline:
         if self._call is None and self._backend_graph_call(graph) == "eager":
             return graph.gm(*args)
         if tiers is not None and not graph.candidates and id(graph) not in self._graphs_done:
-            # Whole steps judge only where the race runs: inside this pipeline's own call
-            # (torch.compile(backend="autopar") calls the graphs without it).
-            by_steps = self.race.enabled and self._call is not None
             state = tiers.maybe_land_graph(graph, args, self.capture.group(graph.group),
-                                           by_steps=by_steps)  # fmt: skip
+                                           by_steps=self.race.enabled)  # fmt: skip
             if state in ("ready", "landed", "kept"):  # this step compiled: not a race sample
                 self.race.mark_dirty(self.key)
             if state == "ready":
@@ -362,7 +359,9 @@ class Pipeline:
         for graph in [g for g, k in self._racing.items() if k == key]:
             del self._racing[graph]
             self.tiers.settle_graph(graph, self.capture.group(graph.group), verdict, reason)
-            graph.on_call = None
+            self._graphs_done.add(id(graph))
+            if key[0] != "backend":  # under the backend, graph calls mark the steps
+                graph.on_call = None
 
     def on_call(self, record: GraphRecord, runner, args):
         """Every call after a graph's first: land a faster tier when one is ready (between

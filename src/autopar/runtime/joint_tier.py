@@ -1,10 +1,10 @@
 """The joint tier: a whole Dynamo graph (forward and backward together) compiled by
 Inductor's own pipeline (``autopar.codegen.joint``), swapped in for autopar's per-graph
 executors only when measured faster: by whole training steps, as a contender of the step
-race (``autopar.runtime.race``, wired by the pipeline), or, where no race runs
-(``race=False``, ``torch.compile(backend="autopar")``), by a forward and backward timed
-here. A forward and backward timed alone misjudged Inception's by 4% against the step
-(2026-11-30): it is the fallback, not the rule.
+race (``autopar.runtime.race``, wired by the pipeline, under ``autopar.compile`` and
+``torch.compile(backend="autopar")`` alike), or, where no race runs (``race=False``), by a
+forward and backward timed here. A forward and backward timed alone misjudged
+Inception's by 4% against the step (2026-11-30): it is the fallback, not the rule.
 
 Why a tier of its own: its forward saves other tensors for its backward than autopar's
 forward does, so the two halves are one executor and are chosen together, per Dynamo
