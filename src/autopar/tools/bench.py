@@ -528,7 +528,8 @@ def main(args) -> int:
     """Run the benchmark described by ``args`` (from ``add_arguments``); 0 on success."""
     args = resolve_args(args)
     default_threads = torch.get_num_threads()
-    names = ", ".join(c for c in CONTENDERS if not (c == "torch.compile" and args.no_inductor))
+    names = ", ".join([*(c for c in CONTENDERS if not (c == "torch.compile" and args.no_inductor)),
+                       *([BACKEND] if args.backend else [])])  # fmt: skip
     tier = "on" if tier_on(args) else "off"
     print(
         f"autopar bench: training steps of {names} on {len(args.models)} model(s) "
