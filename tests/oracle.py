@@ -50,7 +50,8 @@ def _loss(outs, weights):
 
 
 def _step(model, inputs, weights, opt_name):
-    out = _flat(model(*inputs))
+    call, model = model, getattr(model, "_orig_mod", model)  # torch.compile's: same names
+    out = _flat(call(*inputs))
     loss = _loss(out, weights)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -133,6 +133,46 @@ def test_cell_stack_fuses_and_trains_like_eager(name, opt):
     assert _count(bw, cell + "_backward") == 0
 
 
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_backend_autopar_fuses_the_cell_loops_dynamo_captured_as_aten_cells(name):
+    """Under ``torch.compile(backend="autopar")`` nothing rewrites the cells: Dynamo records
+    ``torch.lstm_cell`` / ``torch.gru_cell`` nodes, which ``rnn.cell_nodes`` writes in
+    autopar's form and fuses as well; training equals eager by the fp64 oracle."""
+    model, inputs = zoo.build(name)
+    torch._dynamo.reset()
+
+    def compile_fn(m):
+        return torch.compile(m, backend="autopar", dynamic=False,
+                             options={"store": ProfileStore.memory()})  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        cmodel = check_training(model, inputs, compile_fn, opt_name="sgd")
+    pipe = autopar.api._pipeline_of(cmodel, "test")
+    fw = next(r.gm for r in pipe.records if r.phase == "forward")
+    cell, fused, _ = OPS[name]
+    assert _count(fw, fused) == 2 and _count(fw, cell) == 0
+    assert _count(pipe.capture.dynamo_graphs[0].gm, "_cell") == 0  # no ATen cell left
+
+
+def test_a_loop_of_aten_cells_that_cannot_fuse_stays_as_dynamo_made_it():
+    """``fuse_module_cells`` works on a copy: a loop whose chain is unsafe (its output fed
+    back as the next input) keeps Dynamo's ATen cells, not a half-written graph."""
+    from autopar.rnn.cell_nodes import fuse_module_cells
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        before = gm.code
+        seen.append((fuse_module_cells(gm), before == gm.code))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Decoder(), backend=backend, dynamic=False)(torch.randn(4, 16))
+    torch._dynamo.reset()
+    assert seen == [(0, True)]
+
+
 @pytest.mark.parametrize(
     "model",
     [Decoder(), Decoder(gru=True), UsesCellState()],

@@ -62,11 +62,12 @@ class Pipeline:
         self.race = StepRace(enabled=getattr(options, "race", True))
         self.key = None  # the input signature of the step that runs now
         self._rnn_present: bool | None = None
-        from autopar.rnn.fuse import fuse_cell_loops
+        from autopar.rnn.cell_nodes import cell_passes
 
         self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
         self.capture = Capture(
-            prepare=self.prepare, on_call=self.on_call, graph_passes=(fuse_cell_loops,),
+            prepare=self.prepare, on_call=self.on_call,
+            graph_passes=cell_passes(getattr(options, "rnn", "unroll")),
             on_graph_call=self.on_graph_call,
         )  # fmt: skip
         self._store = None
