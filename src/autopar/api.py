@@ -257,9 +257,10 @@ def autopar_backend(gm, example_inputs, *, options: dict | None = None, mode: st
     Registered with Dynamo by the ``torch_dynamo_backends`` entry point (so it works before
     ``import autopar``), or at ``import autopar`` where that is missing.
 
-    What only :func:`compile` does: the eager/compiled race (``race``), the per-signature
-    plan cache and the ``nn.LSTM``/``GRU`` rewrite (``rnn="unroll"``; a user's cell loop is
-    still fused), since they wrap the module's call, which ``torch.compile`` owns here.
+    What only :func:`compile` does: the per-signature plan cache, the input checks and the
+    ``nn.LSTM``/``GRU`` rewrite (``rnn="unroll"``; a user's cell loop is still fused), since
+    they wrap the module's call, which ``torch.compile`` owns here. The race runs here too,
+    its steps marked at the Dynamo graph calls.
     Pass ``dynamic=False`` for a plan per shape (what :func:`compile` does); otherwise
     Dynamo's dynamic graph keeps the plan made at the shape it first ran.
 
