@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autopar.rnn.fuse import _copy_graph, _value, fuse_cell_loops
+from autopar.rnn.fuse import _copy_graph, _value, fuse_cell_loops, graph_fake_mode
 
 #: ATen's cells as Dynamo records them, and autopar's op for each.
 _ATEN_CELLS = {torch.lstm_cell: "lstm", torch.gru_cell: "gru"}
@@ -45,8 +45,7 @@ def fuse_module_cells(gm: fx.GraphModule) -> int:
     fused. ``gm`` is unchanged when it returns 0."""
     if not any(n.op == "call_function" and n.target in _ATEN_CELLS for n in gm.graph.nodes):
         return 0
-    modes = (getattr(_value(n), "fake_mode", None) for n in gm.graph.nodes)
-    fake_mode = next((m for m in modes if m is not None), None)
+    fake_mode = graph_fake_mode(gm)
     if fake_mode is None:
         return 0
     graph = _copy_graph(gm.graph)

@@ -197,6 +197,13 @@ def _previous_step(step: _Step, steps: dict) -> _Step | None:
     return prev
 
 
+def graph_fake_mode(gm: fx.GraphModule):
+    """The fake mode ``gm``'s example values live in (not the tracing context's: AOTAutograd
+    gets a fresh one), or None."""
+    modes = (getattr(_value(n), "fake_mode", None) for n in gm.graph.nodes)
+    return next((m for m in modes if m is not None), None)
+
+
 def _value(node) -> torch.Tensor | None:
     val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
@@ -468,10 +475,7 @@ def fuse_cell_loops(gm: fx.GraphModule, chunks: int = 1) -> int:
     if any(_order_sensitive(n) for n in gm.graph.nodes):
         log.debug("rnn_fuse: graph has mutation/random/side-effect ops; not fusing")
         return 0
-    # The mode the graph's example values live in (not the tracing context's: AOTAutograd
-    # gets a fresh one).
-    modes = (getattr(_value(n), "fake_mode", None) for n in gm.graph.nodes)
-    fake_mode = next((m for m in modes if m is not None), None)
+    fake_mode = graph_fake_mode(gm)
     if fake_mode is None:
         return 0
     # Work on a copy: any failure leaves ``gm`` exactly as it was.
