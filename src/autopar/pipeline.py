@@ -79,9 +79,9 @@ class Pipeline:
         self._call: float | None = None  # start of the forward call under way (None: none)
         self._prev_call: float | None = None  # start of the previous forward call
         self._last_key = None
-        # backend="autopar": the Dynamo graph called last, and the race's path of its step
-        self._last_group: int | None = None
-        self._path = "compiled"
+        self._backend = False  # backend="autopar": its Dynamo graph calls mark the steps
+        self._last_group: int | None = None  # ... the Dynamo graph called last
+        self._path = "compiled"  # ... and the race's path of that step
         self._graphs_done: set[int] = set()  # Dynamo graphs with no whole-graph tier left
         self.variant: str | None = None  # the race's contender this step, beyond "compiled"
         self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
@@ -302,9 +302,8 @@ class Pipeline:
         (``Tiers.maybe_land_graph``), the compiled candidates race the graph's runner over
         whole steps (``runtime.race``: the race's ``"joint"`` steps run the joint one, its
         ``"split"`` steps the batch split), or, with the race off, the fastest lands by a
-        timed forward and backward. Once nothing is left, the graph's
-        calls go straight to its runner (``graph.on_call = None``; not under the backend,
-        whose steps start here)."""
+        timed forward and backward. Once nothing is left, the graph's calls go straight to
+        its runner (``graph.on_call = None``; not under the backend, whose steps start here)."""
         tiers = self.tiers
         if tiers is not None and tiers.measuring:  # a timed forward and backward of a tier
             return graph.runner(*args)
@@ -324,7 +323,7 @@ class Pipeline:
                 self.race.reset()
             if state in ("landed", "kept", "done"):
                 self._graphs_done.add(id(graph))
-        if (id(graph) in self._graphs_done or tiers is None) and self._call is not None:
+        if (id(graph) in self._graphs_done or tiers is None) and not self._backend:
             graph.on_call = None
         prog = graph.candidates.get(self.variant)
         return (prog.fn if prog is not None else graph.runner)(*args)
@@ -339,6 +338,7 @@ class Pipeline:
         both cores busy), and the race picks the step's path: its key is ``("backend", k)``
         for the step's first graph ``g<k>``, and its eager steps run each Dynamo graph as
         Dynamo captured it (``graph.gm``: eager ops, eager autograd)."""
+        self._backend = True
         prev, self._last_group = self._last_group, graph.group
         if prev is not None and prev < graph.group:
             return self._path  # the same step's next graph (after a graph break)
@@ -361,7 +361,7 @@ class Pipeline:
             del self._racing[graph]
             self.tiers.settle_graph(graph, self.capture.group(graph.group), verdict, reason)
             self._graphs_done.add(id(graph))
-            if key[0] != "backend":  # under the backend, graph calls mark the steps
+            if not self._backend:
                 graph.on_call = None
 
     def on_call(self, record: GraphRecord, runner, args):
