@@ -8,3 +8,6 @@ os.environ.setdefault("AUTOPAR_INDUCTOR", "0")
 # The Inductor tests compile whole graphs only; the segment tier (many compiles per graph)
 # is tested on its own (tests/test_tiers.py::test_segment_tier_*).
 os.environ.setdefault("AUTOPAR_TIERS", "inductor")
+# The native interpreter likewise: off unless a test asks for it (``native=True``), so that
+# the suite's results do not depend on whether an earlier test built it.
+os.environ.setdefault("AUTOPAR_NATIVE", "0")

@@ -48,6 +48,7 @@ class CompileOptions:
     race: bool = True  # race whole eager and compiled steps first; keep the faster (runtime.race)
     inductor: bool | None = None  # Inductor as a tier; None: $AUTOPAR_INDUCTOR, default on
     background: bool = True  # compile slow tiers in another process while training starts
+    native: bool | None = None  # the native stream interpreter; None: $AUTOPAR_NATIVE, default on
 
     def __post_init__(self):
         if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
@@ -147,6 +148,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     race: bool = True,
     inductor: bool | None = None,
     background: bool = True,
+    native: bool | None = None,
 ) -> CompiledModule:
     """Compile ``model`` for parallel training. Lazy: the work happens on the first call.
 
@@ -181,6 +183,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             Inductor compiles run in another process; each lands at a later call.
             ``False``: everything is compiled and measured before the first step returns.
             ``autopar.wait(cmodel)`` blocks until background work is done.
+        native: run planned programs on the native stream interpreter
+            (``autopar.codegen.native``: every stream on a thread of the caller's OpenMP
+            team, no Python between ops), built once per machine in the background.
+            Default ``$AUTOPAR_NATIVE``, on.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(
@@ -191,7 +197,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         return model
     options = CompileOptions(
         streams, policy, store, memory_budget, rnn, debug_dir, adapt=adapt, cache_size=cache_size,
-        race=race, inductor=inductor, background=background,
+        race=race, inductor=inductor, background=background, native=native,
     )
     return CompiledModule(model, options)
 

@@ -33,11 +33,9 @@ from autopar.adapt.shapes import (
 from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
 from autopar.errors import traced_user_error, warn_fallback
 from autopar.logs import CompileProgress
+from autopar.runtime.planned import native_on
 from autopar.runtime.race import StepRace
-from autopar.runtime.tiers import Tiers
-
-#: A multi-stream program must take at most this fraction of the serial program's time.
-MEASURE_MARGIN = 0.95
+from autopar.runtime.tiers import Tiers, tier_kinds
 
 
 class Pipeline:
@@ -64,7 +62,11 @@ class Pipeline:
         self._rnn_present: bool | None = None
         from autopar.rnn.cell_nodes import cell_passes
 
-        self.tiers = Tiers(getattr(options, "background", True)) if _inductor(options) else None
+        inductor, native = _inductor(options), native_on(options)
+        self.tiers = (
+            Tiers(getattr(options, "background", True), tier_kinds(inductor, native), self)
+            if inductor or native else None
+        )  # fmt: skip
         self.capture = Capture(
             prepare=self.prepare, on_call=self.on_call,
             graph_passes=cell_passes(getattr(options, "rnn", "unroll")),
@@ -400,74 +402,24 @@ class Pipeline:
         return done
 
     def confirm_by_measurement(self, record: GraphRecord, table, args, plan, program):
-        """Measure, don't assume: time the chosen multi-stream program against the serial
-        program on the real inputs and keep the faster.
+        """The first call's measured choice between ``program`` and the serial program
+        (``runtime.planned.confirm_by_measurement``)."""
+        from autopar.runtime.planned import confirm_by_measurement
 
-        The simulator's overheads for concurrent Python streams (GIL, wake-ups) are
-        calibrated on microbenchmarks and can be off for a given graph; a few runs of both
-        programs at the first call settle it. Graphs that write their inputs (BatchNorm
-        statistics) or draw random numbers are measured too: ``SideEffectGuard`` restores
-        the written inputs and the generators after every timed run, so training is
-        unchanged (``autopar.runtime.measure``). A multi-stream program must win by
-        ``MEASURE_MARGIN`` to be kept. The times go into the plan's notes.
-        """
-        from autopar.codegen.executors import generate
-        from autopar.planning.partition import make_plan
-        from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
-
-        if len(getattr(program, "streams_used", ())) <= 1:
-            return plan, program
-        t0 = time.perf_counter()
-        serial = make_plan(
-            table, policy="serial", memory_budget=self.options.memory_budget,
-            graph_id=record.tag, store=self.store,
-        )  # fmt: skip
-        serial_prog = generate(record.gm, serial, record.tag, provenance=self._provenance())
-        fns = {"plan": program.fn, "serial": serial_prog.fn}
-        guard = SideEffectGuard(args, written_inputs(record.gm))
-        best = time_candidates({k: (lambda a, f=f: f(*a)) for k, f in fns.items()}, args, guard)
-        best.setdefault("plan", float("inf"))
-        best.setdefault("serial", float("inf"))
-        verdict = (
-            f"measured at first call: {plan.policy} on {len(program.streams_used)} streams "
-            f"{best['plan'] * 1e3:.3f} ms vs serial {best['serial'] * 1e3:.3f} ms"
-        )
-        record.advance("measure", time.perf_counter() - t0, verdict,
-                       measured=(("plan", best["plan"]), ("serial", best["serial"])))
-        if best["plan"] < MEASURE_MARGIN * best["serial"]:
-            return plan.replace(notes=plan.notes + (verdict + ": kept the plan",)), program
-        serial = serial.replace(notes=serial.notes + (verdict + ": kept serial",))
-        return serial, generate(record.gm, serial, record.tag, provenance=self._provenance())
+        return confirm_by_measurement(record, table, args, plan, program, self.options,
+                                      self.store, self._provenance())  # fmt: skip
 
     def _provenance(self) -> dict:
         return {"profile_store": str(getattr(self.store, "path", None))}
 
-    def plan_and_generate(self, record: GraphRecord, table):
-        """Plan ``table`` (one graph's profile) and generate its program (thread-safe: the
-        adaptive re-planner calls it from a background thread)."""
-        from autopar.codegen.executors import generate
-        from autopar.planning.partition import make_plan
+    def plan_and_generate(self, record: GraphRecord, table, executor: str | None = None):
+        """Plan ``table`` (one graph's profile) and generate its program
+        (``runtime.planned.plan_and_generate``; thread-safe: the adaptive re-planner calls
+        it from a background thread)."""
+        from autopar.runtime.planned import plan_and_generate
 
-        opts = self.options
-        t1 = time.perf_counter()
-        plan = make_plan(
-            table,
-            streams=opts.streams,
-            policy=opts.policy,
-            memory_budget=opts.memory_budget,
-            graph_id=record.tag,
-            store=self.store,
-        )
-        t2 = time.perf_counter()
-        program = generate(
-            record.gm,
-            plan,
-            record.tag,
-            provenance=self._provenance(),
-        )
-        record.advance("plan", t2 - t1, plan.policy)
-        record.advance("codegen", time.perf_counter() - t2)
-        return plan, program
+        return plan_and_generate(record, table, self.options, self.store, self._provenance(),
+                                 executor)  # fmt: skip
 
 
 def _empty_batch(args, kwargs) -> bool:

@@ -64,6 +64,7 @@ class Program:
     notes: tuple[str, ...] = ()
     streams_used: tuple[int, ...] = ()
     node_at_line: dict[int, str] = field(default_factory=dict)
+    executor: str = ""  # "native" for the native interpreter's programs (who made it)
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)

@@ -8,6 +8,7 @@ with a ``generate``-like function plus one entry in :data:`EXECUTORS`.
 | ``python``    | straight-line code, CPU worker streams or CUDA streams (``python``)  |
 | ``torchscript`` | scripted segments with fork/wait; falls back to ``python`` with a note |
 | ``auto``      | ``torchscript`` for CPU plans with several streams, else ``python``   |
+| ``native``    | the C++ stream interpreter (``native``); falls back to ``python`` with a note |
 
 Example::
 
@@ -23,6 +24,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from autopar.codegen.emit import Program
+from autopar.codegen.native import Unsupported, generate_native
 from autopar.codegen.python import generate_python
 from autopar.codegen.torchscript import generate_ts, wanted
 from autopar.planning.plan import Plan
@@ -42,11 +44,26 @@ def _python(gm, plan, tag, *, provenance, cuda_graph, timeout_s, executor) -> Pr
     )
 
 
+def _native(gm, plan, tag, *, provenance, cuda_graph, timeout_s, executor) -> Program:
+    if not cuda_graph:
+        try:
+            return generate_native(gm, plan, tag, provenance=provenance)
+        except Unsupported as e:
+            note = f"native executor not used: {e}"
+    prog = generate_python(
+        gm, plan, tag, provenance=provenance, cuda_graph=cuda_graph, timeout_s=timeout_s
+    )
+    if not cuda_graph:
+        prog.notes = (*prog.notes, note)
+    return prog
+
+
 #: executor name -> emitter(gm, plan, tag, *, provenance, cuda_graph, timeout_s, executor)
 EXECUTORS: dict[str, Callable[..., Program]] = {
     "python": _python,
     "torchscript": _torchscript,
     "auto": _torchscript,  # ``wanted`` decides: several CPU streams -> torchscript
+    "native": _native,
 }
 
 

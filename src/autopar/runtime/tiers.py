@@ -4,6 +4,11 @@ executors land later, each only if measured faster.
 Tier 0 is what the first call chose (the planned program, or the captured graph). The
 later tiers are the *candidates* of :data:`TIER_CANDIDATES`, each one factory there:
 
+- ``"native"``: the planned program on the native stream interpreter
+  (``autopar.codegen.native``), offered while the interpreter is not built: its warm-up
+  builds it (once per torch version and machine), its compile plans and generates the
+  program for it (``runtime.native_tier``). Where it is built at the first call, the
+  planned program is native already and this tier is not offered;
 - ``"inductor"``: the whole graph compiled by Inductor (``autopar.codegen.inductor``);
 - ``"segments"``: the graph cut into per-stream segments, each compiled by Inductor's C++
   wrapper and run concurrently (``autopar.codegen.segments``), offered only when the cost
@@ -72,6 +77,7 @@ from autopar.runtime.joint_tier import (
     unmeasurable,
 )
 from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
+from autopar.runtime.native_tier import native_candidate
 from autopar.runtime.segment_runner import (
     SEGMENT_MIN_GAIN,
     compile_segment_tier,
@@ -97,7 +103,7 @@ LAND_MARGIN = 0.97
 
 __all__ = [
     "DEFAULT_TIERS", "LAND_MARGIN", "SEGMENT_MIN_GAIN", "TIER_CANDIDATES", "Tiers",
-    "default_candidates",
+    "default_candidates", "tier_kinds",
 ]  # fmt: skip
 
 
@@ -116,9 +122,14 @@ class Candidate:
     # not, asked once before its warm-up (the batch split traces its graph).
     check: Callable[[], str | None] | None = None
     tag: str = ""  # the graph's, for the "not offered" line
+    executor: str = ""  # the unit's executor once it landed (default: ``name``)
 
 
-def _inductor(record, meta: list) -> Candidate:
+def _native(record, meta: list, tiers) -> Candidate | None:
+    return native_candidate(record, meta, tiers.planner, Candidate)
+
+
+def _inductor(record, meta: list, tiers) -> Candidate:
     gm, tag = record.gm, record.tag
     return Candidate(
         "inductor",
@@ -127,7 +138,7 @@ def _inductor(record, meta: list) -> Candidate:
     )
 
 
-def _segments(record, meta: list) -> Candidate | None:
+def _segments(record, meta: list, tiers) -> Candidate | None:
     if any(getattr(m, "device", "cpu") != "cpu" for m in meta):
         return None  # CUDA graphs: streams are codegen.cuda's job
     plan = segment_candidate(record.gm, record.table, record.tag)
@@ -151,9 +162,10 @@ def _split(graph, args: list) -> Candidate:
     return Candidate("split", warm=warm, build=build, check=check, tag=graph.tag)
 
 
-#: name -> factory(record, input_meta) -> Candidate, or None when it does not apply. A new
-#: tier is one factory here (and its executor's module).
-TIER_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
+#: name -> factory(record, input_meta, tiers) -> Candidate, or None when it does not apply.
+#: A new tier is one factory here (and its executor's module).
+TIER_CANDIDATES: dict[str, Callable[[Any, list, Any], Candidate | None]] = {
+    "native": _native,
     "inductor": _inductor,
     "segments": _segments,
 }
@@ -171,7 +183,9 @@ GRAPH_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
 #: The joint tier (torch.compile's own pipeline per Dynamo graph) is on: it closed HF BERT's
 #: gap to torch.compile (see docs/executors.md). The batch split is on: where a graph
 #: qualifies (no random draws, no batch statistics) it can beat both on few cores.
-DEFAULT_TIERS = ("inductor", "joint", "split")
+#: The native interpreter's build comes first: it is one job for the whole process, and on
+#: multi-branch models its programs are the ones that win (towers, 2026-12-02).
+DEFAULT_TIERS = ("native", "inductor", "joint", "split")
 
 
 def default_candidates() -> tuple[str, ...]:
@@ -188,6 +202,12 @@ def default_candidates() -> tuple[str, ...]:
     return names
 
 
+def tier_kinds(inductor: bool, native: bool) -> tuple[str, ...]:
+    """The tiers of :func:`default_candidates` that a model's options allow: the Inductor
+    ones when ``inductor``, ``"native"`` when ``native``."""
+    return tuple(k for k in default_candidates() if (native if k == "native" else inductor))
+
+
 @dataclass
 class _Tier:
     """The candidates of one graph."""
@@ -202,9 +222,12 @@ class _Tier:
 class Tiers:
     """The background compiles of one compiled model, and their landing."""
 
-    def __init__(self, background: bool = True, candidates: tuple[str, ...] | None = None):
+    def __init__(self, background: bool = True, candidates: tuple[str, ...] | None = None,
+                 planner=None):  # fmt: skip
         self.background = background
         self.kinds = default_candidates() if candidates is None else tuple(candidates)
+        # planner.plan_and_generate(record, table, executor): the native tier's compile
+        self.planner = planner
         self._tiers: dict[int, _Tier] = {}
         self._graph_tiers: dict[int, _Tier] = {}  # per Dynamo graph: the joint candidates
         self.events: list[str] = []  # one line per tier that landed, lost or failed
@@ -415,7 +438,7 @@ class Tiers:
         out = []
         for kind in self.kinds:
             try:
-                cand = TIER_CANDIDATES[kind](record, meta)
+                cand = TIER_CANDIDATES[kind](record, meta, self)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot be made is none
                 log.debug("autopar: %s: no %s tier (%s)", record.tag, kind, exc)
                 cand = None
@@ -500,11 +523,14 @@ class Tiers:
             (k, best.get(k, float("inf"))) for k in ready)
         if best.get(name, float("inf")) < LAND_MARGIN * cur:
             prog = ready[name]
+            cand = next(c for c in tier.candidates if c.name == name)
+            plan = {"plan": prog.plan} if getattr(prog, "plan", None) is not None else {}
             with record.lock:
                 fn = prog.fn
                 record.runner = lambda a: fn(*a)
                 record.advance("tier", waited, f"{verdict}: {name} landed", program=prog,
-                               executor=name, measured=measured)  # fmt: skip
+                               executor=cand.executor or name, measured=measured,
+                               **plan)  # fmt: skip
             self._event(record, f"{verdict}: {name} landed")
         else:
             record.advance("tier", waited, f"{verdict}: kept {record.executor}",

@@ -1,0 +1,339 @@
+// autopar's native stream interpreter: runs a captured aten graph's planned streams without
+// Python, each stream on one thread of the calling thread's OpenMP team.
+//
+// Why OpenMP and spinning, not worker threads and locks: on the 2-core VMs autopar is
+// measured on, waking a sleeping thread through a futex costs 30-35 us each way (a condition
+// variable round trip 69 us, Python's queue and event 58 us; an atomic flag polled by a
+// spinning thread 0.3 us; benchmarks/native_fork.py). PyTorch's own intra-op parallelism is
+// the calling thread's libgomp team, whose threads spin for a while after each parallel op
+// (GOMP_SPINCOUNT), so a parallel region opened here right after the user's 2-thread ops
+// starts on a team that is already awake: a fork costs about a microsecond.
+//
+// Inside the region every op runs single-threaded: each stream's thread sets its OpenMP
+// thread count to 1 (see run()), at::parallel_for runs inline in an OpenMP parallel region,
+// MKL and oneDNN see one thread, and Inductor's kernels open nested regions of one thread. So a plan whose streams have one
+// intra-op thread each is what this runs; the Python side (autopar.codegen.native) only
+// offers such plans, and a one-stream program runs on the calling thread outside any
+// region, with all of the caller's intra-op threads.
+//
+// A program is a list of instructions per stream, each a boxed call of one operator through
+// the dispatcher (the exact OpOverload of the FX node: no overload resolution), reading and
+// writing value slots. Cross-stream edges are events: the producer's instruction stores 1
+// with release order after its outputs are in their slots, the consumer spins (acquire)
+// before its instruction. Every slot has one writer; a slot is cleared early only by its
+// last reader when all its readers run on the producer's stream (the Python side decides).
+//
+// Thread-local state (grad mode, dispatch-key sets, autocast, the saved-tensor hooks ...)
+// is the caller's on every stream (at::ThreadLocalStateGuard, as at::launch does), so a
+// backward graph's ops run under the same no-grad mode as on the calling thread.
+//
+// Errors: the first exception in any stream sets the abort flag; spinning streams stop,
+// and the caller raises RuntimeError naming the node key ("g0.fw/addmm_3: <message>").
+
+#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+enum ArgKind : int {
+  kSlot = 0,      // a value slot
+  kConst = 1,     // a constant, converted once with the schema argument's type
+  kSlotList = 2,  // a list of slots (Tensor[] / Tensor?[]); -1 stands for None
+  kDefault = 3,   // the schema's default value
+};
+
+struct Arg {
+  int kind = kSlot;
+  int slot = -1;
+  c10::IValue value;
+  std::vector<int> slots;
+  bool optional_elements = false;  // Tensor?[]
+};
+
+struct Instr {
+  std::string key;  // "<tag>/<node name>": named in errors
+  bool getitem = false;
+  int getitem_index = 0;
+  c10::optional<c10::OperatorHandle> op;
+  std::vector<Arg> args;
+  int out = -1;            // the output slot: the value, a tuple of several, None for none
+  size_t n_returns = 0;
+  std::vector<int> waits;  // events to wait for before running
+  int signal = -1;         // event to set after running
+  std::vector<int> frees;  // slots to clear after running
+};
+
+struct Aborted {};
+
+class Program {
+ public:
+  Program(py::list streams, int n_slots, int n_events, std::vector<int> inputs,
+          std::vector<int> outputs, std::vector<std::pair<int, int>> serial_order)
+      : n_slots_(n_slots), n_events_(n_events), inputs_(std::move(inputs)),
+        outputs_(std::move(outputs)), serial_(std::move(serial_order)) {
+    for (auto s : streams) {
+      std::vector<Instr> code;
+      for (auto item : py::cast<py::list>(s)) code.push_back(parse(py::cast<py::tuple>(item)));
+      streams_.push_back(std::move(code));
+    }
+  }
+
+  int n_streams() const { return static_cast<int>(streams_.size()); }
+  int last_threads() const { return last_threads_; }
+
+  py::list run(py::args args) {
+    if (static_cast<size_t>(py::len(args)) != inputs_.size())
+      throw std::runtime_error("native program: expected " + std::to_string(inputs_.size()) +
+                               " inputs, got " + std::to_string(py::len(args)));
+    std::vector<c10::IValue> slots(n_slots_);
+    for (size_t i = 0; i < inputs_.size(); ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
+      if (THPVariable_Check(a)) {
+        slots[inputs_[i]] = THPVariable_Unpack(a);
+      } else if (a != Py_None) {
+        slots[inputs_[i]] = torch::jit::toIValue(py::handle(a), c10::AnyType::get());
+      }
+    }
+    // One atomic flag per event and the abort flag; padded apart (false sharing between the
+    // two spinning cores would slow every wait).
+    struct alignas(64) Flag { std::atomic<int> v{0}; };
+    std::unique_ptr<Flag[]> events(new Flag[std::max(n_events_, 1)]);
+    Flag abort;
+    std::mutex err_mu;
+    std::string error;
+
+    auto fail = [&](const Instr& in, const char* what) {
+      std::lock_guard<std::mutex> g(err_mu);
+      if (error.empty()) error = in.key + ": " + what;
+      abort.v.store(1, std::memory_order_release);
+    };
+    auto wait_for = [&](int e) {
+      int spins = 0;
+      while (!events[e].v.load(std::memory_order_acquire)) {
+        if (abort.v.load(std::memory_order_relaxed)) throw Aborted();
+        // spin briefly, then let the other stream's thread have the core (a 2-core box
+        // with a neighbour process may have descheduled it)
+        if (++spins < 4000) {
+#if defined(__x86_64__) || defined(__i386__)
+          __builtin_ia32_pause();
+#endif
+        } else {
+          std::this_thread::yield();
+        }
+      }
+    };
+    auto run_instr = [&](Instr& in, torch::jit::Stack& stack) {
+      for (int e : in.waits) wait_for(e);
+      try {
+        execute(in, slots, stack);
+      } catch (const Aborted&) {
+        throw;
+      } catch (const std::exception& ex) {
+        fail(in, ex.what());
+        throw Aborted();
+      }
+      if (in.signal >= 0) events[in.signal].v.store(1, std::memory_order_release);
+    };
+    auto run_stream = [&](int s) {
+      torch::jit::Stack stack;
+      try {
+        for (auto& in : streams_[s]) run_instr(in, stack);
+      } catch (const Aborted&) {
+      }
+    };
+
+    at::ThreadLocalState tls;  // the caller's: grad mode, dispatch keys, autocast, ...
+    int threads = 1;
+    {
+      py::gil_scoped_release no_gil;
+      const int n = n_streams();
+      if (n == 1) {
+        run_stream(0);
+      } else if (at::get_num_threads() < n) {
+        // The caller allows fewer threads than the program has streams
+        // (torch.set_num_threads(1)): never use more cores than that; run the plan's order.
+        torch::jit::Stack stack;
+        try {
+          for (auto [s, i] : serial_) run_instr(streams_[s][i], stack);
+        } catch (const Aborted&) {
+        }
+      } else {
+        std::atomic<int> granted{0};
+#pragma omp parallel num_threads(n)
+        {
+#pragma omp single
+          granted.store(omp_get_num_threads());
+          // (the implicit barrier after `single` publishes `granted` to the whole team)
+          if (granted.load() == n) {
+            // One thread per stream, and every library must know it: oneDNN bakes the
+            // thread count into a primitive when it creates it (and caches it by that
+            // count), then runs its per-thread parts with barriers between them; a
+            // primitive made for 2 threads and run inside this region (where oneDNN runs
+            // them one after another) waits forever at its first barrier (Inception's
+            // convolution backward did). This task's ICV only: the caller's is untouched.
+            omp_set_num_threads(1);
+            at::ThreadLocalStateGuard guard(tls);
+            run_stream(omp_get_thread_num());
+          }
+        }
+        threads = granted.load();
+        if (threads != n) {
+          // Fewer threads than streams (a nested call, OMP_THREAD_LIMIT): the streams'
+          // instructions in the plan's order are a valid serial order.
+          torch::jit::Stack stack;
+          try {
+            for (auto [s, i] : serial_) run_instr(streams_[s][i], stack);
+          } catch (const Aborted&) {
+          }
+        }
+      }
+    }
+    last_threads_ = threads;
+    if (!error.empty()) throw std::runtime_error(error);
+    py::list out;
+    for (int o : outputs_) out.append(o < 0 ? py::none() : torch::jit::toPyObject(slots[o]));
+    return out;
+  }
+
+ private:
+  static Instr parse(const py::tuple& t) {
+    // (key, qualified op name or "getitem", overload, args, out, waits, signal, frees)
+    Instr in;
+    in.key = py::cast<std::string>(t[0]);
+    auto name = py::cast<std::string>(t[1]);
+    auto overload = py::cast<std::string>(t[2]);
+    auto args = py::cast<py::list>(t[3]);
+    in.out = py::cast<int>(t[4]);
+    in.waits = py::cast<std::vector<int>>(t[5]);
+    in.signal = py::cast<int>(t[6]);
+    in.frees = py::cast<std::vector<int>>(t[7]);
+    if (name == "getitem") {
+      in.getitem = true;
+      in.getitem_index = py::cast<int>(py::cast<py::tuple>(args[1])[1]);
+      Arg a;
+      a.slot = py::cast<int>(py::cast<py::tuple>(args[0])[1]);
+      in.args.push_back(std::move(a));
+      return in;
+    }
+    auto op = c10::Dispatcher::singleton().findSchema({name, overload});
+    if (!op) throw std::runtime_error(in.key + ": no operator " + name + "." + overload);
+    const auto& schema = op->schema();
+    if (py::len(args) != schema.arguments().size())
+      throw std::runtime_error(in.key + ": " + std::to_string(py::len(args)) +
+                               " arguments for " + schema.name() + ", which takes " +
+                               std::to_string(schema.arguments().size()));
+    size_t i = 0;
+    for (auto item : args) {
+      auto pair = py::cast<py::tuple>(item);
+      Arg a;
+      a.kind = py::cast<int>(pair[0]);
+      const auto& sarg = schema.arguments()[i++];
+      if (a.kind == kSlot) {
+        a.slot = py::cast<int>(pair[1]);
+      } else if (a.kind == kConst) {
+        a.value = constant(pair[1], sarg.type());
+      } else if (a.kind == kSlotList) {
+        a.slots = py::cast<std::vector<int>>(pair[1]);
+        a.optional_elements = sarg.type()->str().find('?') != std::string::npos;
+      } else if (a.kind == kDefault) {
+        if (!sarg.default_value())
+          throw std::runtime_error(in.key + ": argument " + sarg.name() + " has no default");
+        a.value = *sarg.default_value();
+        a.kind = kConst;
+      } else {
+        throw std::runtime_error(in.key + ": bad argument kind");
+      }
+      in.args.push_back(std::move(a));
+    }
+    in.n_returns = schema.returns().size();
+    in.op = *op;
+    return in;
+  }
+
+  // A constant for a schema argument of type `type`. A Python number where the schema
+  // takes a Tensor (FX keeps `aten.mul.Tensor(x, 2)` as traced) becomes what Python's
+  // argument parser makes of it: a 0-dim CPU tensor marked as a wrapped number, which
+  // type promotion treats as a Python scalar (float32 * 2 stays float32).
+  static c10::IValue constant(const py::handle& v, const c10::TypePtr& type) {
+    auto kind = type->kind();
+    if (kind == c10::TypeKind::OptionalType) kind = type->expectRef<c10::OptionalType>()
+                                                        .getElementType()->kind();
+    bool number = PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr()) || PyBool_Check(v.ptr());
+    if (kind == c10::TypeKind::TensorType && number) {
+      at::Scalar s = PyBool_Check(v.ptr())    ? at::Scalar(v.ptr() == Py_True)
+                     : PyFloat_Check(v.ptr()) ? at::Scalar(PyFloat_AsDouble(v.ptr()))
+                                              : at::Scalar(static_cast<int64_t>(
+                                                    PyLong_AsLongLong(v.ptr())));
+      at::Tensor t = c10::scalar_to_tensor(s);
+      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return t;
+    }
+    return torch::jit::toIValue(v, type);
+  }
+
+  static void execute(Instr& in, std::vector<c10::IValue>& slots, torch::jit::Stack& stack) {
+    if (in.getitem) {
+      const auto& v = slots[in.args[0].slot];
+      slots[in.out] = v.isTuple() ? v.toTupleRef().elements().at(in.getitem_index)
+                                  : v.toList().get(in.getitem_index);
+    } else {
+      stack.clear();
+      for (const auto& a : in.args) {
+        if (a.kind == kSlot) {
+          stack.push_back(slots[a.slot]);
+        } else if (a.kind == kConst) {
+          stack.push_back(a.value);
+        } else if (a.optional_elements) {
+          c10::List<c10::optional<at::Tensor>> l;
+          for (int s : a.slots) l.push_back(s < 0 ? c10::nullopt
+                                                  : c10::optional<at::Tensor>(slots[s].toTensor()));
+          stack.emplace_back(std::move(l));
+        } else {
+          c10::List<at::Tensor> l;
+          for (int s : a.slots) l.push_back(slots[s].toTensor());
+          stack.emplace_back(std::move(l));
+        }
+      }
+      in.op->callBoxed(&stack);
+      if (in.n_returns == 1) {
+        slots[in.out] = std::move(stack[0]);
+      } else if (in.n_returns > 1) {
+        slots[in.out] = c10::ivalue::Tuple::create(std::move(stack));
+      }
+      stack.clear();
+    }
+    for (int f : in.frees) slots[f] = c10::IValue();
+  }
+
+  int n_slots_, n_events_;
+  std::vector<int> inputs_, outputs_;
+  std::vector<std::pair<int, int>> serial_;
+  std::vector<std::vector<Instr>> streams_;
+  int last_threads_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "autopar's native stream interpreter (see interp.cpp's header)";
+  py::class_<Program>(m, "Program")
+      .def(py::init<py::list, int, int, std::vector<int>, std::vector<int>,
+                    std::vector<std::pair<int, int>>>())
+      .def("run", &Program::run)
+      .def_property_readonly("n_streams", &Program::n_streams)
+      .def_property_readonly("last_threads", &Program::last_threads);
+  m.def("max_threads", []() { return omp_get_max_threads(); });
+}
