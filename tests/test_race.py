@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import torch
@@ -245,3 +246,76 @@ def test_backend_autopar_races_eager_steps_and_hands_a_slow_program_to_eager():
     assert "(steps from Dynamo graph g0)" in autopar.explain(cmodel)
     for p, q in zip(model.state_dict().values(), eager.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tier_that_replaced_the_planned_program_races_it_in_whole_steps(monkeypatch):
+    """A per-graph tier lands when its graph, timed alone, is faster; whole steps then race
+    the planned program it replaced ("plan") against it and eager. Here the tier's program
+    is 20 ms slower per call in training: the race must not keep it, and every kind of
+    step trains like eager."""
+    import autopar.runtime.tiers as tiers
+    from autopar.runtime.native_tier import _Built
+
+    def slow(record, meta, _tiers):
+        fn = record.runner
+
+        class Slow:  # what a compiled tier returns: a program with fn(*args)
+            plan = None
+
+            def fn(self, *a):
+                time.sleep(0.02)
+                return fn(list(a))
+
+        return tiers.Candidate("slow", warm=_Built, build=Slow)
+
+    monkeypatch.setitem(tiers.TIER_CANDIDATES, "slow", slow)
+    monkeypatch.setenv("AUTOPAR_TIERS", "slow")
+    monkeypatch.setattr(tiers, "LAND_MARGIN", float("inf"))  # it lands whatever it measures
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False, inductor=True)
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    x = torch.randn(4, 8)
+    for _ in range(RUN * 3 * SAMPLES + 10):
+        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    pipe = cmodel._autopar_pipeline
+    assert any("slow landed" in e for e in pipe.tiers.events), pipe.tiers.events
+    (verdict, why), = pipe.race.report().values()
+    assert "plan" in why and verdict in ("plan", "eager"), why
+    if verdict == "plan":  # the planned programs are back
+        assert {u.executor for u in autopar.graphs(cmodel)} == {"plan"}
+        assert "planned program kept over slow" in autopar.explain(cmodel)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_plans_come_back_on_a_plan_verdict_and_go_on_a_compiled_one():
+    from autopar.runtime.planned import KeptPlans
+
+    class Record:
+        def __init__(self):
+            self.lock, self.runner, self.executor, self.stamps = threading.RLock(), "tier", "x", []
+
+        def advance(self, stage, seconds, note, **changes):
+            self.stamps.append((stage, note, changes))
+            self.executor = changes.get("executor", self.executor)
+
+    class Unit:
+        program, plan, executor = "prog", "the plan", "plan"
+
+    a, b = Record(), Record()
+    kept = KeptPlans()
+    kept.keep(a, "planned a", Unit, "k")
+    kept.keep(b, "planned b", Unit, "other")
+    assert kept.runner(a, "tier") == "planned a" and kept.runner(Record(), "tier") == "tier"
+    assert kept.settle("k", "eager", "why") == [] and kept.runner(a, "t") == "planned a"
+    assert kept.settle("k", "plan", "why") == [a]
+    assert a.runner == "planned a" and a.executor == "plan"
+    assert a.stamps[-1][2] == {"program": "prog", "plan": "the plan", "executor": "plan"}
+    assert kept.settle("other", "compiled", "why") == [] and not kept
+    assert b.runner == "tier"  # a compiled verdict keeps the tier

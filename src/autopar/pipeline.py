@@ -33,7 +33,7 @@ from autopar.adapt.shapes import (
 from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
 from autopar.errors import traced_user_error, warn_fallback
 from autopar.logs import CompileProgress
-from autopar.runtime.planned import native_on
+from autopar.runtime.planned import KeptPlans, native_on
 from autopar.runtime.race import StepRace
 from autopar.runtime.tiers import Tiers, tier_kinds
 
@@ -87,6 +87,7 @@ class Pipeline:
         self._graphs_done: set[int] = set()  # Dynamo graphs with no whole-graph tier left
         self.variant: str | None = None  # the race's contender this step, beyond "compiled"
         self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
+        self.kept = KeptPlans()  # planned programs a tier replaced: the race's "plan" steps
 
     def _has_rnn(self, model: nn.Module) -> bool:
         """Whether ``model`` holds an RNN module to rewrite; looked up once (walking every
@@ -165,6 +166,9 @@ class Pipeline:
         path = self.race.choose(key, t0, paused)
         if self._racing and self.race.verdict(key) is not None:
             self._settle_graphs(key)
+        if self.kept and self.race.verdict(key) is not None:
+            for record in self.kept.settle(key, *self.race.report()[key]):
+                self.monitor.rebaseline(record)
         variant = None
         if path not in ("eager", "compiled"):
             variant, path = path, "compiled"
@@ -372,12 +376,18 @@ class Pipeline:
         if self.tiers is not None:
             if self.tiers.measuring:
                 return runner(args)  # a whole-graph tier's timed run, not a training call
+            before = record.unit
             self.tiers.maybe_land(record, args)
             if record.runner is not runner:  # a tier landed: measure everything afresh
+                if before.executor == "plan" and self.race.enabled:  # whole steps judge it
+                    self.kept.keep(record, runner, before, self.key)
+                    self.race.add("plan", self.key)
                 runner = record.runner
                 self.race.reset()
                 self.race.mark_dirty(self.key)
                 self.monitor.rebaseline(record)
+            if self.variant == "plan":
+                runner = self.kept.runner(record, runner)
         return self.monitor.on_call(record, runner, args)
 
     def _step_boundary(self, now: float) -> float:

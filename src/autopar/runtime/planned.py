@@ -129,3 +129,60 @@ def confirm_by_measurement(record, table, args, plan, program, options, store, p
     serial = serial.replace(notes=serial.notes + (verdict + ": kept serial",))
     return serial, generate(record.gm, serial, record.tag, provenance=provenance,
                             executor=executor)  # fmt: skip
+
+
+class KeptPlans:
+    """Planned programs that a per-graph tier replaced, kept as the step race's ``"plan"``
+    contender until whole steps have judged them.
+
+    Why: a tier lands when its graph, timed alone, beats the current program
+    (``runtime.tiers.LAND_MARGIN``), but a graph timed alone is not the graph inside a
+    training step. On the multi-tower MLP (2026-12-02, ``autopar bench --block 4``) the
+    Inductor backward landed over the native two-stream backward (2.46 vs 2.59 ms alone);
+    whole steps then ran 9.1 ms on it against 8.2 ms eager, and the race chose eager,
+    while the native programs alone trained at 1.25x eager. Keeping the replaced program
+    lets the race choose between them by what counts, the step.
+
+    Example::
+
+        >>> kept = KeptPlans()
+        >>> kept.runner(object(), "current")
+        'current'
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple] = {}  # id(record) -> (record, runner, unit, race key)
+
+    def __bool__(self) -> bool:
+        return bool(self._kept)
+
+    def keep(self, record, runner, unit, key) -> None:
+        """``record`` ran ``runner`` (its planned program, ``unit``) until a tier landed."""
+        self._kept[id(record)] = (record, runner, unit, key)
+
+    def runner(self, record, current):
+        """What ``record`` runs in a ``"plan"`` step: its kept program, else ``current``."""
+        kept = self._kept.get(id(record))
+        return current if kept is None else kept[1]
+
+    def settle(self, key, verdict: str, reason: str) -> list:
+        """The race of ``key`` decided: ``"plan"`` puts the kept programs back, a compiled
+        verdict drops them (the tiers stay), eager keeps them for a later race. Returns
+        the records whose program changed."""
+        if verdict == "eager":
+            return []
+        back = []
+        for rid, (record, runner, unit, k) in list(self._kept.items()):
+            if k != key:
+                continue
+            del self._kept[rid]
+            if verdict != "plan":
+                continue
+            landed = record.executor
+            with record.lock:
+                record.runner = runner
+                record.advance("race", 0.0, f"whole steps: {reason}: planned program kept "
+                               f"over {landed}", program=unit.program, plan=unit.plan,
+                               executor=unit.executor)  # fmt: skip
+            back.append(record)
+        return back
