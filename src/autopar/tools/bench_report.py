@@ -46,14 +46,18 @@ def vs_best(row: dict[str, Any] | None) -> str:
 
 
 def executors_brief(graphs: list[dict[str, Any]]) -> str:
-    """``fw ind, bw plan`` for one Dynamo graph; ``g0.fw ind, g0.bw plan, g1.fw ...`` else."""
+    """``fw ind, bw plan`` for one Dynamo graph; ``g0.fw ind, g0.bw plan, g1.fw ...`` else.
+    A planned program on the native interpreter reads ``nat``."""
     if not graphs:
         return "-"
     one = all(g["tag"].startswith("g0.") for g in graphs)
-    return ", ".join(
-        f"{g['tag'][3:] if one else g['tag']} {_SHORT.get(g['executor'], g['executor'])}"
-        for g in graphs
-    )
+
+    def short(g) -> str:
+        if g["executor"] == "plan" and g.get("native"):
+            return "nat"
+        return _SHORT.get(g["executor"], g["executor"])
+
+    return ", ".join(f"{g['tag'][3:] if one else g['tag']} {short(g)}" for g in graphs)
 
 
 def race_brief(race: list[dict[str, Any]]) -> str:

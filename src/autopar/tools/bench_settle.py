@@ -69,6 +69,8 @@ class TierWatch:
             out.append({
                 "tag": u.tag,
                 "executor": u.executor,
+                # a planned program on the native interpreter (codegen.native)
+                "native": getattr(u.program, "executor", "") == "native",
                 "tier": stamp.note if stamp else None,
                 "tier_ready_s": stamp.seconds if stamp else None,
                 "final_since_s": since if u.executor not in TIERS or u.tag in self.stamped
