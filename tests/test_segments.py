@@ -78,6 +78,11 @@ def _check_cut(cut, gm):
 @pytest.mark.parametrize("name", ["towers", "inception"])
 def test_zoo_forward_and_backward_graphs(name):
     for r in planned_zoo_records(name):
+        if name == "towers" and r.tag.endswith(".bw"):
+            # HEFT alternates the towers' backward between the streams op by op: a segment
+            # compile each (about 45 s of the suite's time on the 2-core box). Its forward
+            # has the same shape, and Inception's backward covers a backward graph.
+            continue
         plan = _deterministic_plan(r)
         args = example_args(r.gm)
         prog = compile_segments(r.gm, plan, args, tag=r.tag)

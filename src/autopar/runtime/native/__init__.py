@@ -19,9 +19,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import threading
 
@@ -89,6 +91,23 @@ def _built_library() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's build runs ``ninja`` from ``$PATH``; the ``ninja`` package installs it next to
+    this interpreter, which is not on ``$PATH`` when the venv is not activated
+    (``.venv/bin/python -m pytest``). Prepended for the build only."""
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") or not os.path.exists(os.path.join(here, "ninja")):
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = here + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def available() -> bool:
     """Whether the interpreter is loaded or built (loading it then takes milliseconds)."""
     return _module is not None or _built_library() is not None
@@ -114,9 +133,10 @@ def load(build: bool = True):
         else:
             from torch.utils.cpp_extension import load as cpp_load
 
-            mod = cpp_load(
-                name=_name(), sources=[_SOURCE], extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS), verbose=False,
-            )  # fmt: skip
+            with _ninja_on_path():
+                mod = cpp_load(
+                    name=_name(), sources=[_SOURCE], extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS), verbose=False,
+                )  # fmt: skip
         _module = mod
         return mod
