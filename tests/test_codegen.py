@@ -101,6 +101,16 @@ def test_four_branches_one_per_stream_waits_only_on_data():
         assert "w(" not in fn_src
 
 
+def write_then_dropout(x, buf):
+    """An in-place write into an input between its readers, then two random draws: the
+    effect rules' example for every executor's tests (test_codegen_ts, test_native)."""
+    s = buf.sum()
+    buf.copy_(x * 2)
+    a = torch.nn.functional.dropout(x.sin(), 0.5, True)
+    b = torch.nn.functional.dropout(x.cos(), 0.3, True)
+    return buf * 3 + s, a + b
+
+
 def test_inplace_copy_into_input_keeps_eager_order():
     def f(x, buf):
         s = buf.sum()

@@ -20,6 +20,7 @@ from test_codegen import (
     make_plan,
     random_dag,
     random_topo_order,
+    write_then_dropout,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -66,13 +67,7 @@ def test_switch_and_env(monkeypatch):
 
 
 def test_inplace_and_rng_keep_eager_order():
-    def f(x, buf):
-        s = buf.sum()
-        buf.copy_(x * 2)
-        a = torch.nn.functional.dropout(x.sin(), 0.5, True)
-        b = torch.nn.functional.dropout(x.cos(), 0.3, True)
-        return buf * 3 + s, a + b
-
+    f = write_then_dropout
     x = torch.randn(64)
     gm = make_fx(f)(x, torch.randn(64))
     prog = generate_ts(gm, make_plan(gm, lambda i, n: i % 3, 3), TAG)

@@ -17,7 +17,15 @@ from captured import planned_zoo_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from oracle import assert_close_to_oracle, check_training, max_err
-from test_codegen import ARGS, TAG, branches, make_plan, random_dag, random_topo_order
+from test_codegen import (
+    ARGS,
+    TAG,
+    branches,
+    make_plan,
+    random_dag,
+    random_topo_order,
+    write_then_dropout,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
@@ -88,13 +96,7 @@ def test_source_is_readable_and_is_what_runs():
 
 
 def test_random_ops_and_inplace_writes_keep_eager_order():
-    def f(x, buf):
-        s = buf.sum()
-        buf.copy_(x * 2)
-        a = torch.nn.functional.dropout(x.sin(), 0.5, True)
-        b = torch.nn.functional.dropout(x.cos(), 0.3, True)
-        return buf * 3 + s, a + b
-
+    f = write_then_dropout
     x = torch.randn(64)
     gm = make_fx(f)(x, torch.randn(64))
     prog = generate_native(gm, make_plan(gm, lambda i, n: i % 2, 2), TAG)
