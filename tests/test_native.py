@@ -246,3 +246,24 @@ def test_native_tier_compiles_and_measures_where_the_first_call_had_no_interpret
         eager(x).sum().backward()
     for (k, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_without_a_build_the_python_programs_stay_and_the_tier_says_why(monkeypatch):
+    def not_built(build: bool = True):
+        raise RuntimeError("autopar's native interpreter is not built yet")
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "load", not_built)  # as after a failed build
+    monkeypatch.setenv("AUTOPAR_TIERS", "native")
+    model, _ = zoo.build("towers")
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 64)
+    cm = autopar.compile(model, store=ProfileStore.memory(), native=True, inductor=False,
+                         background=False, race=False, streams=2)  # fmt: skip
+    out = cm(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
+    events = cm._autopar_pipeline.tiers.events
+    assert events and all("native could not compile it" in e and "not built" in e
+                          for e in events), events  # fmt: skip
+    assert all(u.program.executor != "native" for u in autopar.graphs(cm))

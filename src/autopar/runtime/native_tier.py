@@ -86,6 +86,9 @@ def native_candidate(record, meta: list, planner, candidate):
         return None
 
     def build():
+        # never build on the training thread: the warm-up built it, or failed (then this
+        # raises, and the tier line says so)
+        native.load(build=False)
         program = planner.plan_and_generate(record, record.table, "native")[1]
         if program.executor != "native":
             raise RuntimeError(next(n for n in program.notes if n.startswith("native")))
