@@ -233,16 +233,22 @@ def random_topo_order(gm, r):
     return out
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=hs.integers(0, 10_000), n_ops=hs.integers(1, 14), n_streams=hs.sampled_from([1, 2, 4]))
-def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
-    f = random_dag(seed, n_ops)
+def random_case(seed: int, n_ops: int, n_streams: int):
+    """``(gm, args, plan)``: a random DAG of ``n_ops`` ops, traced, and a random plan for it
+    (random streams, a random topological order): the property tests of every executor."""
     args = (torch.randn(5, 6), torch.randn(5, 6))
-    gm = make_fx(f)(*args)
+    gm = make_fx(random_dag(seed, n_ops))(*args)
     r = random.Random(seed)
     streams = {n.name: r.randrange(n_streams) for n in gm.graph.nodes}
     order = random_topo_order(gm, r)
-    prog = generate(gm, make_plan(gm, lambda i, n: streams[n.name], n_streams, order=order), TAG)
+    return gm, args, make_plan(gm, lambda i, n: streams[n.name], n_streams, order=order)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=hs.integers(0, 10_000), n_ops=hs.integers(1, 14), n_streams=hs.sampled_from([1, 2, 4]))
+def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
+    gm, args, plan = random_case(seed, n_ops, n_streams)
+    prog = generate(gm, plan, TAG)
     assert_same(prog.fn(*args), gm(*args))
 
 

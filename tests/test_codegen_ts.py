@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from captured import planned_zoo_records
@@ -18,8 +16,7 @@ from test_codegen import (
     backward_like,
     branches,
     make_plan,
-    random_dag,
-    random_topo_order,
+    random_case,
     write_then_dropout,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -114,13 +111,7 @@ def test_errors_surface_and_nothing_hangs():
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=hs.integers(0, 10_000), n_ops=hs.integers(1, 14), n_streams=hs.sampled_from([1, 2, 4]))
 def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
-    f = random_dag(seed, n_ops)
-    args = (torch.randn(5, 6), torch.randn(5, 6))
-    gm = make_fx(f)(*args)
-    r = random.Random(seed)
-    streams = {n.name: r.randrange(n_streams) for n in gm.graph.nodes}
-    order = random_topo_order(gm, r)
-    plan = make_plan(gm, lambda i, n: streams[n.name], n_streams, order=order)
+    gm, args, plan = random_case(seed, n_ops, n_streams)
     prog = generate_ts(gm, plan, TAG)
     assert _is_ts(prog), prog.notes
     for _ in range(2):

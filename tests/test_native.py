@@ -9,7 +9,6 @@ after: torch's extension cache)."""
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -22,8 +21,7 @@ from test_codegen import (
     TAG,
     branches,
     make_plan,
-    random_dag,
-    random_topo_order,
+    random_case,
     write_then_dropout,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -157,13 +155,7 @@ def test_unsupported_graph_falls_back_to_python_with_the_reason():
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=hs.integers(0, 10_000), n_ops=hs.integers(1, 14), n_streams=hs.sampled_from([1, 2]))
 def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
-    f = random_dag(seed, n_ops)
-    args = (torch.randn(5, 6), torch.randn(5, 6))
-    gm = make_fx(f)(*args)
-    r = random.Random(seed)
-    streams = {n.name: r.randrange(n_streams) for n in gm.graph.nodes}
-    plan = make_plan(gm, lambda i, n: streams[n.name], n_streams,
-                     order=random_topo_order(gm, r))  # fmt: skip
+    gm, args, plan = random_case(seed, n_ops, n_streams)
     prog = generate_native(gm, plan, TAG)
     for _ in range(2):  # elementwise ops and sums: the same kernels on every stream
         for g, w in zip(prog.fn(*args), gm(*args), strict=True):
