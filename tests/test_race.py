@@ -115,6 +115,23 @@ def test_an_added_contender_takes_turns_and_wins_when_fastest():
         assert f"vs {name}" in why and f"-> {expected}" in why
 
 
+def test_eager_must_beat_the_best_compiled_contender_not_the_reference():
+    """``"joint"`` is the reference, and eager and compiled both beat it by 12.5%: a tie
+    between them. Compiled carries ``ADDED_MARGIN`` against joint, and eager is judged on
+    the same scale, so the near-tie goes to compiled (an unscaled eager won it: the towers'
+    race, 2026-12-02 evening). A clear eager win (7% faster than compiled) stays eager's."""
+    for eager_s, expected in ((0.875, "compiled"), (0.8125, "eager")):  # exact in binary
+        race = StepRace()
+        t = 0.0
+        race.choose("k", t)
+        race.add("joint", "k")
+        while race.report()["k"][0] is None and t < 1000:
+            who = race.choose("k", t)
+            t += {"eager": eager_s, "compiled": 0.875, "joint": 1.0}[who]
+        verdict, why = race.report()["k"]
+        assert verdict == expected, (eager_s, why)
+
+
 def test_an_added_contender_races_only_its_own_signature():
     """Only the signature whose graphs can run the new contender races again with it; a
     decided race of another signature (an eval loop, another batch size) keeps its verdict."""
