@@ -154,7 +154,8 @@ def _bench_doc():
             "model": "towers", "description": "multi-tower MLP: 4 towers", "wall_s": 60.0,
             "machine_before": {"load1": 1.25}, "machine_after": {"load1": 2.5}, "noisy": None,
             "contenders": {"eager": c, "autopar": {**c, "speedup_vs_eager": 1.5}},
-            "autopar": {"graphs": [{"executor": "inductor"}, {"executor": "plan"}],
+            "autopar": {"graphs": [{"executor": "inductor"}, {"executor": "plan"},
+                                   {"executor": "plan", "native": True}],
                         "race": [{"verdict": "compiled"}]},
         }],
     }  # fmt: skip
@@ -164,7 +165,8 @@ def test_readme_table_carries_date_machine_and_load_per_row():
     table = readme_table(_bench_doc(), "b.json")
     row = next(line for line in table.splitlines() if line.startswith("| multi-tower"))
     assert "2026-11-30 09:11" in row and "2-CPU x86_64" in row and "load 1.25 / 2.50" in row
-    assert "| 1.50x |" in row and "inductor, plan" in row and "| - |" in row  # no torch.compile
+    assert "| 1.50x |" in row and "inductor, plan, native" in row  # native: the interpreter
+    assert "| - |" in row  # no torch.compile
 
 
 def test_bench_report_rewrites_only_the_marked_section(tmp_path, capsys):

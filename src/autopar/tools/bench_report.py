@@ -60,6 +60,12 @@ def executors_brief(graphs: list[dict[str, Any]]) -> str:
     return ", ".join(f"{g['tag'][3:] if one else g['tag']} {short(g)}" for g in graphs)
 
 
+def _long(graph: dict[str, Any]) -> str:
+    """A graph's executor as the README's table names it: a planned program on the native
+    interpreter reads ``native``, not ``plan``."""
+    return "native" if graph["executor"] == "plan" and graph.get("native") else graph["executor"]
+
+
 def race_brief(race: list[dict[str, Any]]) -> str:
     """The race verdict(s): ``compiled``, ``eager``, ``racing`` (no verdict yet) or ``-``."""
     verdicts = sorted({r["verdict"] or "racing" for r in race})
@@ -436,7 +442,7 @@ def readme_table(doc: dict[str, Any], source: str) -> str:
             f"{vs_best(c.get('autopar'))} | "
             f"{_cell(c, 'torch.compile', 'first_step_s', '.1f', ' s')} / "
             f"{_cell(c, 'autopar', 'first_step_s', '.1f', ' s')} | "
-            f"{', '.join(g['executor'] for g in a.get('graphs', [])) or '-'} | "
+            f"{', '.join(_long(g) for g in a.get('graphs', [])) or '-'} | "
             f"{race_brief(a.get('race', []))} | {started}, {machine}, load {load} |"
         )
     if any(res.get("noisy") for res in doc["results"]):
