@@ -59,8 +59,13 @@ def collect(model_name: str, rounds: int, out: str) -> None:
         return time.perf_counter() - t0
 
     # Keep every whole-graph candidate runnable after the race's verdict (the pipeline
-    # would otherwise swap the winner in and drop the others): a measurement-only patch.
-    with mock.patch.object(Pipeline, "_settle_graphs", lambda self, key: None):
+    # would otherwise swap the winner in and drop the others), and the kept planned
+    # programs too (a "compiled" verdict drops them, after which "plan" turns ran the
+    # tier's programs): measurement-only patches.
+    from autopar.runtime.planned import KeptPlans
+
+    with mock.patch.object(Pipeline, "_settle_graphs", lambda self, key: None), \
+            mock.patch.object(KeptPlans, "settle", lambda self, key, verdict, reason: []):
         for k in mods:
             step(k)
         pipe = mods["ap"]._autopar_pipeline
