@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 _SHORT = {"inductor": "ind", "joint": "joint", "split": "split", "plan": "plan",
-          "captured": "capt"}  # fmt: skip
+          "native": "nat", "captured": "capt"}  # fmt: skip
 
 
 def _fmt(x: float | None, spec: str, none: str = "-") -> str:
@@ -53,16 +53,15 @@ def executors_brief(graphs: list[dict[str, Any]]) -> str:
     one = all(g["tag"].startswith("g0.") for g in graphs)
 
     def short(g) -> str:
-        if g["executor"] == "plan" and g.get("native"):
-            return "nat"
-        return _SHORT.get(g["executor"], g["executor"])
+        name = executor_name(g)
+        return _SHORT.get(name, name)
 
     return ", ".join(f"{g['tag'][3:] if one else g['tag']} {short(g)}" for g in graphs)
 
 
-def _long(graph: dict[str, Any]) -> str:
-    """A graph's executor as the README's table names it: a planned program on the native
-    interpreter reads ``native``, not ``plan``."""
+def executor_name(graph: dict[str, Any]) -> str:
+    """A graph's executor by name, as the README's table gives it (``executors_brief``
+    shortens it): a planned program on the native interpreter is ``native``, not ``plan``."""
     return "native" if graph["executor"] == "plan" and graph.get("native") else graph["executor"]
 
 
@@ -442,7 +441,7 @@ def readme_table(doc: dict[str, Any], source: str) -> str:
             f"{vs_best(c.get('autopar'))} | "
             f"{_cell(c, 'torch.compile', 'first_step_s', '.1f', ' s')} / "
             f"{_cell(c, 'autopar', 'first_step_s', '.1f', ' s')} | "
-            f"{', '.join(_long(g) for g in a.get('graphs', [])) or '-'} | "
+            f"{', '.join(executor_name(g) for g in a.get('graphs', [])) or '-'} | "
             f"{race_brief(a.get('race', []))} | {started}, {machine}, load {load} |"
         )
     if any(res.get("noisy") for res in doc["results"]):
