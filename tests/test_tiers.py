@@ -10,6 +10,8 @@ is the executor's correctness, not which executor is faster on this machine.
 from __future__ import annotations
 
 import copy
+import subprocess
+import time
 import warnings
 
 import pytest
@@ -166,6 +168,44 @@ def test_training_yields_its_share_to_a_running_warm_up_and_only_then():
     # the wall time; a long step is counted as MAX_STEP_S
     assert t.compile_pause(0.010) == pytest.approx(0.010 * share / (1 - share))
     assert t.compile_pause(60.0) == pytest.approx(tiers.MAX_STEP_S * share / (1 - share))
+
+
+class _Hung:
+    """A warm-up job that never finishes by itself (a build waiting for a lock nobody will
+    release): it ends only when killed, as a WarmupJob's worker does."""
+
+    def __init__(self):
+        self.killed = False
+
+    def poll(self):
+        return -9 if self.killed else None
+
+    def wait(self, timeout=None):
+        if not self.killed:
+            time.sleep(min(timeout, 0.05) if timeout is not None else 0.05)
+            raise subprocess.TimeoutExpired("hung", timeout)
+        return -9
+
+    def kill(self):
+        self.killed = True
+
+
+def test_a_hung_warm_up_is_stopped_at_the_limit_and_the_pauses_end(monkeypatch):
+    """A warm-up that never ends must not cost the training its share of every step for
+    good, nor hang ``autopar.wait``: past WARMUP_LIMIT_S it is stopped, with a tier line."""
+    monkeypatch.setattr(tiers, "WARMUP_LIMIT_S", 0.3)
+    t = tiers.Tiers(background=True, candidates=())
+    job = _Hung()
+    cand = tiers.Candidate("native", warm=lambda: job, build=lambda: None, tag="g0.fw")
+    t._queue.append(cand)
+    t.poll()  # a step boundary starts it
+    assert t.compile_pause(0.010) > 0  # compiling: the training yields its share
+    t0 = time.monotonic()
+    assert t.wait([], timeout=30)  # returns once the limit stopped it, not after 30 s
+    assert time.monotonic() - t0 < 10
+    assert job.killed and t.compile_pause(0.010) == 0.0
+    assert cand.error.startswith("warm-up stopped after")
+    assert any("native warm-up stopped" in e and "WARMUP_LIMIT_S" in e for e in t.events)
 
 
 def test_a_pause_for_a_warm_up_is_not_timed_by_the_race(monkeypatch):

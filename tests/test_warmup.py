@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 from autopar.codegen import warmup
 from autopar.codegen.warmup import spawn_warmup, warmup_error
@@ -98,3 +101,33 @@ def test_a_job_that_kills_its_worker_twice_fails(tmp_path, monkeypatch):
     t.join()
     assert job.returncode != 0 and "worker exited" in warmup_error(job), warmup_error(job)
     assert len(killed) == 2
+
+
+def test_killing_a_worker_kills_the_compilers_it_started():
+    """A compiler the worker ran (ninja, c++) must not go on as an orphan, writing into the
+    build directory the next builder uses: the worker leads its process group, all killed."""
+    from autopar.codegen.warmup import _kill_group
+
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "c = subprocess.Popen(['sleep', '600'])\n"
+         "print(c.pid, flush=True); time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, process_group=0,
+    )  # fmt: skip
+    child = int(worker.stdout.readline())
+    _kill_group(worker)
+    worker.wait(10)
+    for _ in range(100):  # the child dies with the group (then its zombie is reaped by init)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(")")[1].split()[0] == "Z":  # dead, not yet reaped
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the worker's child outlived it")

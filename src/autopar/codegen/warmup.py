@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,6 +81,7 @@ def exit_with_parent(parent: int) -> None:
             try:
                 os.kill(parent, 0)
             except ProcessLookupError:
+                _kill_own_group()
                 os._exit(0)
 
     threading.Thread(target=watch, daemon=True, name="autopar-parent-watch").start()
@@ -166,7 +169,7 @@ class _Worker:
                 self._queue.remove(job)
                 job._finish(-9, "cancelled")
             elif job is self._running and self._proc is not None:
-                self._proc.kill()  # the reader sees the end of its output and finishes it
+                _kill_group(self._proc)  # the reader sees its output end and finishes it
         finally:
             self._lock.release()
 
@@ -178,7 +181,7 @@ class _Worker:
                 job._finish(-9, "cancelled")
             self._queue.clear()
             if self._proc is not None and self._proc.poll() is None:
-                self._proc.kill()
+                _kill_group(self._proc)
 
     def _feed(self) -> None:
         """Send the next job if none runs (under the lock)."""
@@ -250,6 +253,29 @@ class _Worker:
                 f.close()
             except (AttributeError, OSError, ValueError):
                 pass
+
+
+def _kill_group(proc) -> None:
+    """Kill the worker ``proc`` and everything it started: it leads its own process group
+    (``_Worker._start``), and a compiler it ran (ninja and c++ for the native interpreter)
+    would otherwise go on as an orphan, writing into the build directory the next builder
+    uses."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+    except (AttributeError, OSError):  # not POSIX, or already gone
+        pass
+    with contextlib.suppress(OSError):
+        proc.kill()
+
+
+def _kill_own_group() -> None:
+    """The worker's own end (its parent is gone): its compilers with it, when it leads its
+    process group (started by ``_Worker``, not from a shell script's group)."""
+    with contextlib.suppress(AttributeError, OSError):
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
 
 
 def _last_line(proc) -> str:

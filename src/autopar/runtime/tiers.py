@@ -97,6 +97,11 @@ log = logging.getLogger("autopar")
 #: the training either way; a half share pays it soonest without OpenMP stalls.
 COMPILE_SHARE = 0.5
 MAX_STEP_S = 1.0
+#: A warm-up still running this long after it was started is stopped, and its candidate
+#: given up with a tier line: a compile that hangs (a lock nobody will release, a stuck
+#: compiler) must not cost the training COMPILE_SHARE of every step for good. The slowest
+#: whole tier seen on the 2-core box took 71 s (Inception, n1 bench, 2026-12-02).
+WARMUP_LIMIT_S = 600.0
 #: A candidate must take at most this fraction of the current tier's time to be swapped in
 #: (measurement noise must not flip executors back and forth).
 LAND_MARGIN = 0.97
@@ -116,6 +121,7 @@ class Candidate:
     warm: Callable[[], Any]  # queues the warm-up (a codegen.warmup.WarmupJob)
     build: Callable[[], Any]  # compiles here (a cache hit once warmed); a Program
     proc: Any = None  # the warm-up job (codegen.warmup.WarmupJob) while it runs
+    started: float = 0.0  # when its warm-up was started (time.monotonic)
     program: Any = None  # compiled here, waiting to be measured
     error: str | None = None
     # Whether it applies, when that costs too much for a first call: None (it does) or why
@@ -239,6 +245,7 @@ class Tiers:
         # Only the processes go to the finalizer: candidates reach back (through their
         # records) to the pipeline that owns this object, which would then never be freed.
         self._procs: list = []
+        self._warming: list[Candidate] = []  # candidates whose warm-up was started
         weakref.finalize(self, _stop, self._procs)
 
     # -- the first call ---------------------------------------------------------------
@@ -419,11 +426,18 @@ class Tiers:
             live = [p for p in self._procs if p.poll() is None]
             if not live:
                 break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            now = time.monotonic()
+            left = None if deadline is None else max(0.0, deadline - now)
+            # wake for the warm-up limit too (the next _launch_next stops an overdue one)
+            limit = min((c.started + WARMUP_LIMIT_S - now for c in self._warming), default=None)
+            if limit is not None:
+                limit = max(limit, 0.0) + 0.1
+            slice_s = min((t for t in (left, limit) if t is not None), default=None)
             try:
-                live[0].wait(left)
+                live[0].wait(slice_s)
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
-                return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
         owners = [(r, self._tiers.get(id(r))) for r in records]
         owners += [(g, self._graph_tiers.get(id(g))) for g in graphs]
         for owner, tier in owners:
@@ -458,14 +472,32 @@ class Tiers:
         if cand is None:
             return
         try:
-            cand.proc = cand.warm()
+            cand.proc, cand.started = cand.warm(), time.monotonic()
+            self._warming.append(cand)
             self._procs.append(cand.proc)
             _LIVE.add(cand.proc)
         except Exception as exc:  # noqa: BLE001 - no warm-up: compiled cold when measured
             log.debug("autopar: no background warm-up for %s (%s)", cand.name, exc)
 
     def _running(self) -> bool:
+        self._stop_overdue()
         return any(p.poll() is None for p in self._procs)
+
+    def _stop_overdue(self) -> None:
+        """Stop every warm-up running past :data:`WARMUP_LIMIT_S`; its candidate is given up."""
+        now = time.monotonic()
+        for cand in list(self._warming):
+            proc = cand.proc
+            if proc is None or proc.poll() is not None:
+                self._warming.remove(cand)
+            elif now - cand.started > WARMUP_LIMIT_S:
+                self._warming.remove(cand)
+                proc.kill()
+                cand.error = f"warm-up stopped after {now - cand.started:.0f} s"
+                line = (f"{cand.tag or cand.name}: {cand.name} {cand.error} (limit "
+                        f"WARMUP_LIMIT_S = {WARMUP_LIMIT_S:.0f} s); tier kept")  # fmt: skip
+                self.events.append(line)
+                log.warning("autopar: %s", line)
 
     def _reap(self, record, tier: _Tier) -> None:
         for cand in tier.candidates:

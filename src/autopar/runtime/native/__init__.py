@@ -82,13 +82,47 @@ def build_directory() -> str:
     return _get_build_directory(_name(), verbose=False)
 
 
-def _built_library() -> str | None:
-    d = build_directory()
+def _built_library(d: str | None = None) -> str | None:
+    """The finished build's library, or None. Finished: this module marked it so after a
+    build that completed (``<name>.built``), or (a build from before the mark) torch's build
+    lock is gone; torch holds a ``lock`` file in the directory while it compiles and links,
+    and a build killed meanwhile leaves it behind for good."""
+    d = d or build_directory()
     lib = os.path.join(d, _name() + ".so")
-    # torch's build holds a `lock` file in the directory while it compiles and links
-    if os.path.exists(lib) and not os.path.exists(os.path.join(d, "lock")):
+    if not os.path.exists(lib):
+        return None
+    if os.path.exists(_built_mark(d)) or not os.path.exists(os.path.join(d, "lock")):
         return lib
     return None
+
+
+def _built_mark(directory: str) -> str:
+    return os.path.join(directory, _name() + ".built")
+
+
+def build_once(directory: str, compile_it):
+    """Build the library in ``directory`` with ``compile_it()`` (torch's ``cpp_extension``
+    build, which also imports it), one process at a time, surviving builds that were
+    killed. Returns what ``compile_it`` returned, or None when another process finished the
+    build while this one waited.
+
+    torch's build lock (``FileBaton``) is a file that only its holder removes: a build
+    killed mid-way (a training process that exits while the warm-up worker compiles: the
+    worker is killed at exit) leaves it, and every later build waits for it forever. So
+    builders take ``filelock``'s lock first, an ``flock`` the kernel releases when its holder
+    dies; whoever holds it is the only builder, and any torch lock it finds is stale and
+    removed. The finished build is marked (``<name>.built``) for :func:`_built_library`."""
+    import filelock
+
+    with filelock.FileLock(os.path.join(directory, "autopar-build.lock")):
+        if _built_library(directory) is not None:  # another process built it meanwhile
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, "lock"))
+        made = compile_it()
+        with open(_built_mark(directory), "w") as f:
+            f.write(torch.__version__ + "\n")
+        return made
 
 
 @contextlib.contextmanager
@@ -115,28 +149,34 @@ def available() -> bool:
 
 def load(build: bool = True):
     """The interpreter's module, building it first if needed (``build=False``: raise
-    ``RuntimeError`` instead). Thread-safe; other processes wait on torch's build lock."""
+    ``RuntimeError`` instead). Thread-safe; other processes wait for the build
+    (:func:`build`)."""
     global _module
     with _lock:
         if _module is not None:
             return _module
         lib = _built_library()
-        if lib is not None:
-            spec = importlib.util.spec_from_file_location(_name(), lib)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-        elif not build:
+        if lib is None and not build:
             raise RuntimeError(
                 "autopar's native interpreter is not built yet: "
                 "autopar.runtime.native.load() builds it (40-60 s, once per torch version)"
             )
-        else:
+        mod = None
+        if lib is None:
             from torch.utils.cpp_extension import load as cpp_load
 
-            with _ninja_on_path():
-                mod = cpp_load(
-                    name=_name(), sources=[_SOURCE], extra_cflags=list(CFLAGS),
-                    extra_ldflags=list(LDFLAGS), verbose=False,
-                )  # fmt: skip
+            def compile_it():
+                with _ninja_on_path():
+                    return cpp_load(
+                        name=_name(), sources=[_SOURCE], extra_cflags=list(CFLAGS),
+                        extra_ldflags=list(LDFLAGS), verbose=False,
+                    )  # fmt: skip
+
+            mod = build_once(build_directory(), compile_it)
+            lib = _built_library()
+        if mod is None:  # a finished build (maybe another process's): import it
+            spec = importlib.util.spec_from_file_location(_name(), lib)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
         _module = mod
         return mod
