@@ -431,7 +431,7 @@ class Tiers:
             # wake for the warm-up limit too (the next _launch_next stops an overdue one)
             limit = min((c.started + WARMUP_LIMIT_S - now for c in self._warming), default=None)
             if limit is not None:
-                limit = max(limit, 0.0) + 0.1
+                limit = max(limit, 0.0) + 0.1  # past it: poll again every 0.1 s until it ends
             slice_s = min((t for t in (left, limit) if t is not None), default=None)
             try:
                 live[0].wait(slice_s)
@@ -484,20 +484,22 @@ class Tiers:
         return any(p.poll() is None for p in self._procs)
 
     def _stop_overdue(self) -> None:
-        """Stop every warm-up running past :data:`WARMUP_LIMIT_S`; its candidate is given up."""
+        """Stop every warm-up running past :data:`WARMUP_LIMIT_S` (queued to the worker that
+        long ago); its candidate is given up. Asked again until it has ended: a cancel that
+        found the worker busy only marks the job."""
         now = time.monotonic()
         for cand in list(self._warming):
             proc = cand.proc
             if proc is None or proc.poll() is not None:
                 self._warming.remove(cand)
             elif now - cand.started > WARMUP_LIMIT_S:
-                self._warming.remove(cand)
                 proc.kill()
-                cand.error = f"warm-up stopped after {now - cand.started:.0f} s"
-                line = (f"{cand.tag or cand.name}: {cand.name} {cand.error} (limit "
-                        f"WARMUP_LIMIT_S = {WARMUP_LIMIT_S:.0f} s); tier kept")  # fmt: skip
-                self.events.append(line)
-                log.warning("autopar: %s", line)
+                if cand.error is None:
+                    cand.error = f"warm-up stopped after {now - cand.started:.0f} s"
+                    line = (f"{cand.tag or cand.name}: {cand.name} {cand.error} (limit "
+                            f"WARMUP_LIMIT_S = {WARMUP_LIMIT_S:.0f} s); tier kept")  # fmt: skip
+                    self.events.append(line)
+                    log.warning("autopar: %s", line)
 
     def _reap(self, record, tier: _Tier) -> None:
         for cand in tier.candidates:

@@ -150,7 +150,7 @@ def available() -> bool:
 def load(build: bool = True):
     """The interpreter's module, building it first if needed (``build=False``: raise
     ``RuntimeError`` instead). Thread-safe; other processes wait for the build
-    (:func:`build`)."""
+    (:func:`build_once`)."""
     global _module
     with _lock:
         if _module is not None:
