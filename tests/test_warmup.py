@@ -112,7 +112,7 @@ def test_killing_a_worker_kills_the_compilers_it_started():
         [sys.executable, "-c", "import subprocess, sys, time\n"
          "c = subprocess.Popen(['sleep', '600'])\n"
          "print(c.pid, flush=True); time.sleep(600)\n"],
-        stdout=subprocess.PIPE, text=True, process_group=0,
+        stdout=subprocess.PIPE, text=True, start_new_session=True,  # it leads its group
     )  # fmt: skip
     child = int(worker.stdout.readline())
     _kill_group(worker)
