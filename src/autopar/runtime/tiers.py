@@ -245,7 +245,7 @@ class Tiers:
         # Only the processes go to the finalizer: candidates reach back (through their
         # records) to the pipeline that owns this object, which would then never be freed.
         self._procs: list = []
-        self._warming: list[Candidate] = []  # candidates whose warm-up was started
+        self._warming: Candidate | None = None  # whose warm-up runs (one at a time)
         weakref.finalize(self, _stop, self._procs)
 
     # -- the first call ---------------------------------------------------------------
@@ -427,14 +427,13 @@ class Tiers:
             if not live:
                 break
             now = time.monotonic()
-            left = None if deadline is None else max(0.0, deadline - now)
-            # wake for the warm-up limit too (the next _launch_next stops an overdue one)
-            limit = min((c.started + WARMUP_LIMIT_S - now for c in self._warming), default=None)
-            if limit is not None:
-                limit = max(limit, 0.0) + 0.1  # past it: poll again every 0.1 s until it ends
-            slice_s = min((t for t in (left, limit) if t is not None), default=None)
+            # wake at the deadline and at the warm-up limit (the next _launch_next stops an
+            # overdue warm-up; past the limit, poll every 0.1 s until it has ended)
+            wake = [max(deadline - now, 0.0)] if deadline is not None else []
+            if self._warming is not None:
+                wake.append(max(self._warming.started + WARMUP_LIMIT_S - now, 0.1))
             try:
-                live[0].wait(slice_s)
+                live[0].wait(min(wake) if wake else None)
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
@@ -463,6 +462,7 @@ class Tiers:
     def _launch_next(self) -> None:
         """Start the next queued warm-up if none is running (one compile process at a time);
         whole-graph warm-ups only when no other is queued."""
+        self._stop_overdue()
         if self._running():
             return
         cand = None
@@ -473,33 +473,35 @@ class Tiers:
             return
         try:
             cand.proc, cand.started = cand.warm(), time.monotonic()
-            self._warming.append(cand)
+            self._warming = cand
             self._procs.append(cand.proc)
             _LIVE.add(cand.proc)
         except Exception as exc:  # noqa: BLE001 - no warm-up: compiled cold when measured
             log.debug("autopar: no background warm-up for %s (%s)", cand.name, exc)
 
     def _running(self) -> bool:
-        self._stop_overdue()
         return any(p.poll() is None for p in self._procs)
 
     def _stop_overdue(self) -> None:
-        """Stop every warm-up running past :data:`WARMUP_LIMIT_S` (queued to the worker that
+        """Stop the warm-up running past :data:`WARMUP_LIMIT_S` (queued to the worker that
         long ago); its candidate is given up. Asked again until it has ended: a cancel that
         found the worker busy only marks the job."""
-        now = time.monotonic()
-        for cand in list(self._warming):
-            proc = cand.proc
-            if proc is None or proc.poll() is not None:
-                self._warming.remove(cand)
-            elif now - cand.started > WARMUP_LIMIT_S:
-                proc.kill()
-                if cand.error is None:
-                    cand.error = f"warm-up stopped after {now - cand.started:.0f} s"
-                    line = (f"{cand.tag or cand.name}: {cand.name} {cand.error} (limit "
-                            f"WARMUP_LIMIT_S = {WARMUP_LIMIT_S:.0f} s); tier kept")  # fmt: skip
-                    self.events.append(line)
-                    log.warning("autopar: %s", line)
+        cand = self._warming
+        if cand is None:
+            return
+        if cand.proc is None or cand.proc.poll() is not None:
+            self._warming = None
+            return
+        waited = time.monotonic() - cand.started
+        if waited <= WARMUP_LIMIT_S:
+            return
+        cand.proc.kill()
+        if cand.error is None:
+            cand.error = f"warm-up stopped after {waited:.0f} s"
+            line = (f"{cand.tag or cand.name}: {cand.name} {cand.error} (limit "
+                    f"WARMUP_LIMIT_S = {WARMUP_LIMIT_S:.0f} s); tier kept")  # fmt: skip
+            self.events.append(line)
+            log.warning("autopar: %s", line)
 
     def _reap(self, record, tier: _Tier) -> None:
         for cand in tier.candidates:

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -69,6 +70,7 @@ def program(streams: list, *, slots: int, events: int, inputs: list, outputs: li
 
 
 # -- building and loading --------------------------------------------------------------------
+@functools.cache  # the source does not change under a running process
 def _name() -> str:
     with open(_SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read())
@@ -173,8 +175,8 @@ def load(build: bool = True):
                     )  # fmt: skip
 
             mod = build_once(build_directory(), compile_it)
-            lib = _built_library()
         if mod is None:  # a finished build (maybe another process's): import it
+            lib = lib or _built_library()
             spec = importlib.util.spec_from_file_location(_name(), lib)
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
