@@ -70,3 +70,33 @@ def test_a_library_without_the_mark_counts_as_built_once_torchs_lock_is_gone(tmp
     assert native._built_library(d) == lib
     open(os.path.join(d, "lock"), "w").close()  # or killed while linking it
     assert native._built_library(d) is None
+
+
+def test_a_stopped_build_is_not_started_again_for_the_next_graph(monkeypatch):
+    """Past WARMUP_LIMIT_S the tiers stop the build: another graph's native candidate must
+    not start it again (it would wait for the limit once more); a failed build is retried."""
+    from autopar.runtime import native_tier
+
+    class Job:
+        def __init__(self):
+            self.returncode, self.cancelled = None, False
+
+        def poll(self):
+            return self.returncode
+
+    jobs = []
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native_tier, "_job", None)
+
+    def spawn(module, path):
+        os.unlink(path)  # the worker would read and delete the job file
+        jobs.append(Job())
+        return jobs[-1]
+
+    monkeypatch.setattr(native_tier, "spawn_warmup", spawn)
+    first = native_tier.start_native_build()
+    first.returncode, first.cancelled = -9, True  # stopped at the limit
+    assert native_tier.start_native_build() is first
+    first.cancelled = False  # failed by itself instead: tried again
+    assert native_tier.start_native_build() is not first
+    assert len(jobs) == 2

@@ -46,12 +46,15 @@ class _Built:
 
 def start_native_build():
     """The job that builds the interpreter in the warm-up worker (the same one for every
-    caller in this process; a finished stand-in when it is built already)."""
+    caller in this process; a finished stand-in when it is built already). A failed build
+    is tried again; a stopped one (``runtime.tiers.WARMUP_LIMIT_S``) is not: every other
+    graph's candidate would wait for the limit again."""
     global _job
     with _lock:
         if native.available():
             return _Built()
-        if _job is None or (_job.poll() not in (None, 0)):  # none yet, or it failed: again
+        retry = _job is not None and _job.poll() not in (None, 0) and not _job.cancelled
+        if _job is None or retry:
             fd, path = tempfile.mkstemp(prefix="autopar-native-", suffix=".job")
             os.close(fd)
             _job = spawn_warmup("autopar.runtime.native_tier", path)
