@@ -11,3 +11,6 @@ os.environ.setdefault("AUTOPAR_TIERS", "inductor")
 # The native interpreter likewise: off unless a test asks for it (``native=True``), so that
 # the suite's results do not depend on whether an earlier test built it.
 os.environ.setdefault("AUTOPAR_NATIVE", "0")
+# The step race decides in one race here (``runtime.race.CONFIRM_AFTER_S``: in production a
+# second race confirms the verdict 10 s later); the tests of confirmation turn it on.
+os.environ.setdefault("AUTOPAR_RACE_CONFIRM_S", "off")

@@ -336,3 +336,120 @@ def test_kept_plans_come_back_on_a_plan_verdict_and_go_on_a_compiled_one():
     assert a.stamps[-1][2] == {"program": "prog", "plan": "the plan", "executor": "plan"}
     assert kept.settle("other", "compiled", "why") == [] and not kept
     assert b.runner == "tier"  # a compiled verdict keeps the tier
+
+
+def _run_race(race: StepRace, cost, t: float = 0.0, until: float = 1e6):
+    """Step ``race`` of key "k" until it has a final verdict; ``cost(who, t)`` is a step's
+    seconds. Returns the picks and the time at the end."""
+    picks = []
+    while race.report().get("k", (None,))[0] is None and t < until:
+        who = race.choose("k", t)
+        picks.append(who)
+        t += cost(who, t)
+    return picks, t
+
+
+def test_a_verdict_is_confirmed_by_a_second_race_before_it_is_final():
+    """The first race's winner runs, provisionally, until ``confirm_after_s`` later; then
+    every contender races again, and two wins make the verdict final."""
+    race = StepRace(confirm_after_s=50.0)
+    picks, t = _run_race(race, lambda who, t: 1.0 if who == "compiled" else 2.0)
+    verdict, why = race.report()["k"]
+    assert verdict == "compiled" and "races won: compiled, compiled" in why, why
+    first_race = 1 + 2 * RUN * SAMPLES
+    # between the races: compiled only, for 50 s of 1-s steps
+    between = picks[first_race:first_race + 48]
+    assert set(between) == {"compiled"}, picks
+    assert "eager" in picks[first_race + 52:]  # the second race took turns again
+
+
+def test_a_race_taken_in_a_loaded_moment_is_overturned_by_the_next_two():
+    """The first race runs while the box is loaded, where (as the Inception model's split
+    did on a loaded 2-core box) the second contender looks slower; two later races on
+    the quiet box agree on it: the final verdict is theirs, and the steps run it."""
+    race = StepRace(confirm_after_s=30.0)
+    race.choose("k", 0.0)
+    race.add("split", "k")
+
+    def cost(who, t):
+        loaded = t < 60.0
+        return {"eager": 2.0, "compiled": 1.0, "split": 1.2 if loaded else 0.7}[who]
+
+    picks, t = _run_race(race, cost, t=1.0)
+    verdict, why = race.report()["k"]
+    assert verdict == "split" and "races won: compiled, split, split" in why, why
+    assert race.choose("k", t) == "split"
+
+
+def test_three_races_that_disagree_end_on_the_last():
+    race = StepRace(confirm_after_s=5.0)
+    race.choose("k", 0.0)
+    race.add("split", "k")
+    winner = iter(["compiled", "split", "eager"])
+    state = {"w": next(winner), "prov": None}
+
+    def cost(who, t):  # each race's chosen one is fastest
+        r = race._races["k"]
+        if r.provisional is not None and r.provisional != state["prov"]:
+            state["prov"] = r.provisional
+            state["w"] = next(winner)
+        return 1.0 if who == state["w"] else 1.5
+
+    _run_race(race, cost, t=1.0)
+    verdict, why = race.report()["k"]
+    assert verdict == "eager" and "races won: compiled, split, eager" in why, why
+
+
+def test_a_new_tier_during_the_wait_starts_a_new_series_of_races():
+    race = StepRace(confirm_after_s=100.0)
+    t = 0.0
+    for _ in range(1 + 2 * RUN * SAMPLES + 1):
+        t += 1.0 if race.choose("k", t) == "compiled" else 2.0
+    assert race.report()["k"][0] is None and "provisional" in race.report()["k"][1]
+    race.reset()
+    assert race._races["k"].wins == [] and race._races["k"].provisional is None
+    assert race.choose("k", t) in ("eager", "compiled")
+
+
+def test_the_confirmation_delay_comes_from_the_environment(monkeypatch):
+    import pytest
+
+    from autopar.runtime.race import CONFIRM_AFTER_S
+
+    monkeypatch.delenv("AUTOPAR_RACE_CONFIRM_S", raising=False)
+    assert StepRace().confirm_after_s == CONFIRM_AFTER_S
+    monkeypatch.setenv("AUTOPAR_RACE_CONFIRM_S", "2.5")
+    assert StepRace().confirm_after_s == 2.5
+    monkeypatch.setenv("AUTOPAR_RACE_CONFIRM_S", "off")
+    assert StepRace().confirm_after_s is None
+    monkeypatch.setenv("AUTOPAR_RACE_CONFIRM_S", "soon")
+    with pytest.raises(ValueError, match="give seconds"):
+        StepRace()
+
+
+def test_confirmed_races_hand_a_slow_program_to_eager_and_train_like_eager(monkeypatch):
+    """End to end with confirmation on: the slow compiled program loses both races, the
+    steps between them run eagerly, and training equals eager's throughout."""
+    monkeypatch.setenv("AUTOPAR_RACE_CONFIRM_S", "0.05")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    eager = copy.deepcopy(model)
+    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False)
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    x = torch.randn(4, 8)
+    pipe = cmodel._autopar_pipeline
+    for step in range(2000):
+        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 0:  # inject: every compiled graph now takes 5 ms longer
+            for r in pipe.records:
+                r.runner = lambda a, f=r.runner: (time.sleep(0.005), f(a))[1]
+        if next(iter(pipe.race.report().values()))[0] is not None:
+            break
+    (verdict, why), = pipe.race.report().values()
+    assert verdict == "eager" and "races won: eager, eager" in why, why
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

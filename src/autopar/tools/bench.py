@@ -95,7 +95,7 @@ QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "b
 #: process, differed by up to 1.3-2.2% in median step (Transformer) and 0.5-1.6% (HF BERT)
 #: over 240 rounds (2026-12-02, 4 copies, 2 runs each); 60 rounds leave about twice that,
 #: as much as the gaps the bench is read for. The rounds cost seconds; the compiles minutes.
-DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 300, "block": 1}
+DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 10000, "block": 1}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
 NOISY_IQR_PCT = 50
 
