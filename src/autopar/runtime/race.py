@@ -240,8 +240,8 @@ class StepRace:
     def _again(race: _Race, reason: str | None = None) -> None:
         """Start the next race of ``race``'s contenders (all of them take turns again)."""
         if reason is None:
-            reason = (f"racing again to confirm {race.provisional} "
-                      f"(race {len(race.wins) + 1}; won so far: {', '.join(race.wins)})")  # fmt: skip
+            won = ", ".join(race.wins)
+            reason = f"racing again to confirm {race.provisional} (races won so far: {won})"
         race.samples = {k: [] for k in race.samples}
         race.verdict, race.reason, race.dirty, race.out = None, reason, True, set()
         race.provisional, race.turn = None, 0
