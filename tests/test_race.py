@@ -53,14 +53,19 @@ def test_dirty_steps_do_not_count_and_reset_races_again():
     assert race.report()["k"][0] is None
 
 
-def test_slow_compiled_program_hands_training_to_eager():
+def _compiled_and_eager_twins():
+    """A small MLP compiled by autopar and its eager copy, each with its SGD, and a batch."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     eager = copy.deepcopy(model)
     cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False)
     opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
-    x = torch.randn(4, 8)
+    return model, eager, cmodel, opt_c, opt_e, torch.randn(4, 8)
+
+
+def test_slow_compiled_program_hands_training_to_eager():
+    model, eager, cmodel, opt_c, opt_e, x = _compiled_and_eager_twins()
     for step in range(RUN * 2 * SAMPLES + 6):
         for m, opt in ((cmodel, opt_c), (eager, opt_e)):
             m(x).square().mean().backward()
@@ -431,13 +436,7 @@ def test_confirmed_races_hand_a_slow_program_to_eager_and_train_like_eager(monke
     """End to end with confirmation on: the slow compiled program loses both races, the
     steps between them run eagerly, and training equals eager's throughout."""
     monkeypatch.setenv("AUTOPAR_RACE_CONFIRM_S", "0.05")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False)
-    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
-    x = torch.randn(4, 8)
+    model, eager, cmodel, opt_c, opt_e, x = _compiled_and_eager_twins()
     pipe = cmodel._autopar_pipeline
     for step in range(2000):
         for m, opt in ((cmodel, opt_c), (eager, opt_e)):
