@@ -53,24 +53,33 @@ def test_dirty_steps_do_not_count_and_reset_races_again():
     assert race.report()["k"][0] is None
 
 
-def _compiled_and_eager_twins():
-    """A small MLP compiled by autopar and its eager copy, each with its SGD, and a batch."""
+def _compiled_and_eager_twins(**options):
+    """A small MLP compiled by autopar (``options`` added to ``autopar.compile``'s) and its
+    eager copy, each with its SGD, and a batch."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False)
+    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False, **options)
     opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
     return model, eager, cmodel, opt_c, opt_e, torch.randn(4, 8)
 
 
+def _step_twins(pairs, x, seed: int | None = None) -> None:
+    """One SGD step of each ``(model, optimizer)`` in ``pairs`` on ``x`` (each under
+    ``seed``, when given: the same dropout masks)."""
+    for m, opt in pairs:
+        if seed is not None:
+            torch.manual_seed(seed)
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_slow_compiled_program_hands_training_to_eager():
     model, eager, cmodel, opt_c, opt_e, x = _compiled_and_eager_twins()
     for step in range(RUN * 2 * SAMPLES + 6):
-        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
-            m(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _step_twins(((cmodel, opt_c), (eager, opt_e)), x)
         if step == 0:  # inject: every compiled graph now takes 20 ms longer
             for r in cmodel._autopar_pipeline.records:
                 r.runner = lambda a, f=r.runner: (time.sleep(0.02), f(a))[1]
@@ -254,11 +263,7 @@ def test_backend_autopar_races_eager_steps_and_hands_a_slow_program_to_eager():
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
     x = torch.randn(4, 8)
     for step in range(RUN * 2 * SAMPLES + 6):
-        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
-            torch.manual_seed(step)
-            m(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _step_twins(((cmodel, opt_c), (eager, opt_e)), x, seed=step)
         if step == 0:  # inject: every compiled graph now takes 20 ms longer
             pipe = autopar.api._pipeline_of(cmodel, "test")
             for r in pipe.records:
@@ -293,18 +298,9 @@ def test_a_tier_that_replaced_the_planned_program_races_it_in_whole_steps(monkey
     monkeypatch.setitem(tiers.TIER_CANDIDATES, "slow", slow)
     monkeypatch.setenv("AUTOPAR_TIERS", "slow")
     monkeypatch.setattr(tiers, "LAND_MARGIN", float("inf"))  # it lands whatever it measures
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, store=ProfileStore.memory(), adapt=False, inductor=True)
-    opt_c = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
-    x = torch.randn(4, 8)
+    model, eager, cmodel, opt_c, opt_e, x = _compiled_and_eager_twins(inductor=True)
     for _ in range(RUN * 3 * SAMPLES + 10):
-        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
-            m(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _step_twins(((cmodel, opt_c), (eager, opt_e)), x)
     pipe = cmodel._autopar_pipeline
     assert any("slow landed" in e for e in pipe.tiers.events), pipe.tiers.events
     (verdict, why), = pipe.race.report().values()
@@ -439,10 +435,7 @@ def test_confirmed_races_hand_a_slow_program_to_eager_and_train_like_eager(monke
     model, eager, cmodel, opt_c, opt_e, x = _compiled_and_eager_twins()
     pipe = cmodel._autopar_pipeline
     for step in range(2000):
-        for m, opt in ((cmodel, opt_c), (eager, opt_e)):
-            m(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _step_twins(((cmodel, opt_c), (eager, opt_e)), x)
         if step == 0:  # inject: every compiled graph now takes 5 ms longer
             for r in pipe.records:
                 r.runner = lambda a, f=r.runner: (time.sleep(0.005), f(a))[1]
