@@ -31,6 +31,9 @@ class Explanation:
     tiers: tuple[str, ...] = ()  # one line per tier that landed, lost or failed
     compile_seconds: float | None = None  # the first call: capture + profile + plan
     graph_breaks: int = 0  # Dynamo graphs - 1 (each break splits the model's code)
+    # Dynamo graph tag -> what runs its autograd.Function: "direct" (autopar's own,
+    # ``capture.direct_autograd``) or "AOTAutograd (<why>)" (AOTAutograd's runtime wrapper).
+    autograd: dict[str, str] = field(default_factory=dict)
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -47,6 +50,10 @@ class Explanation:
         for sig, (verdict, why) in self.steps.items():
             lines.append(f"# steps with input signature {sig}: " + (
                 f"{verdict} ({why})" if verdict else why))  # fmt: skip
+        for tag, how in self.autograd.items():
+            lines.append(f"# {tag}: autograd " + (
+                "direct (autopar's autograd.Function; AOTAutograd's runtime wrapper skipped)"
+                if how == "direct" else f"through {how}"))  # fmt: skip
         for u in self.graphs:
             plan = u.plan
             what = (
@@ -91,4 +98,5 @@ def explanation(pipeline) -> Explanation:
         tiers=tuple(pipeline.tiers.events) if pipeline.tiers is not None else (),
         compile_seconds=pipeline.compile_seconds,
         graph_breaks=max(0, len(groups) - 1),
+        autograd={g.tag: g.autograd for g in pipeline.capture.dynamo_graphs},
     )

@@ -335,6 +335,23 @@ class Capture:
         self._sources: dict[int, _Sources] = {}
         self._counter = itertools.count()
         self._lock = threading.Lock()
+        # Per Dynamo graph k: its compiled halves ("fw", "bw", "inf": the LazyGraph each) and
+        # AOTAutograd's metadata with the autocast state of its trace (direct_autograd).
+        self._halves: dict[int, dict[str, LazyGraph]] = {}
+        self._aot_meta: dict[int, tuple[Any, bool]] = {}
+
+    def _go_direct(self, k: int) -> None:
+        """Once Dynamo graph ``k`` has both halves compiled, run it through autopar's own
+        ``autograd.Function`` where AOTAutograd's runtime wrapper has nothing to do
+        (``autopar.capture.direct_autograd.attach``)."""
+        from autopar.capture.direct_autograd import attach
+
+        with self._lock:
+            halves = dict(self._halves.get(k, {}))
+            graph = next((g for g in self.dynamo_graphs if g.group == k), None)
+            meta, autocast = self._aot_meta.get(k, (None, False))
+        if graph is not None and "fw" in halves and "bw" in halves:
+            attach(graph, halves["fw"], halves["bw"], meta, autocast)
 
     def graphs(self, phase: str | None = None) -> list[GraphRecord]:
         return [r for r in self.records if phase is None or r.phase == phase]
@@ -354,9 +371,15 @@ class Capture:
                 node.meta["autopar.phase"] = phase
             unit = GraphUnit(tag, phase, gm, group, capture_s=time.perf_counter() - t0)
             record = GraphRecord(unit)
+            lazy = LazyGraph(record, self.prepare, self.on_call)
             with self._lock:
                 self.records.append(record)
-            return LazyGraph(record, self.prepare, self.on_call)
+                self._halves.setdefault(group, {})[tag.rsplit(".", 1)[1]] = lazy
+                if tag.endswith(".fw"):
+                    self._aot_meta[group] = _aot_meta()
+            if tag.endswith(".bw"):  # AOTAutograd compiles the backward lazily: now
+                self._go_direct(group)
+            return lazy
 
         return compile_graph
 
@@ -377,6 +400,7 @@ class Capture:
             graph = DynamoGraph(k, gm, compiler(gm, example_inputs), self.on_graph_call)
             with self._lock:
                 self.dynamo_graphs.append(graph)
+            self._go_direct(k)  # a backward compiled at once (symbolic sizes saved)
             return graph
         except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
             from torch._dynamo.exc import RestartAnalysis
@@ -393,6 +417,13 @@ class Capture:
                 node,
                 "Report the op, or run this part outside the compiled model.",
             )
+
+
+def _aot_meta() -> tuple[Any, bool]:
+    """AOTAutograd's metadata of the forward it is compiling (None outside its trace), and
+    whether autocast was on (AOTAutograd then runs the graph with autocast off)."""
+    ctx = torch._guards.TracingContext.try_get()
+    return getattr(ctx, "fw_metadata", None), torch._C._is_any_autocast_enabled()
 
 
 class _WarnOnceItRan:

@@ -41,6 +41,10 @@ class DynamoGraph:
         self.candidates: dict[str, Any] = {}
         self.on_call = on_call
         self.lock = threading.RLock()
+        # Around the two halves: "AOTAutograd" (its runtime wrapper, with the reason) until
+        # both were compiled, then "direct" where nothing needs that wrapper
+        # (``autopar.capture.direct_autograd``).
+        self.autograd = "AOTAutograd"
 
     tag = property(lambda self: f"g{self.group}")
 

@@ -1,0 +1,253 @@
+"""autopar's own ``autograd.Function`` around a training graph's forward and backward, used
+in place of AOTAutograd's runtime wrapper where that wrapper has nothing to do.
+
+Why: AOTAutograd wraps every compiled training graph in generated code that handles input
+mutations, outputs that alias inputs or each other, tensor subclasses, effect tokens, RNG
+functionalization, duplicated and synthetic-base inputs, autocast and compiled autograd.
+For a graph with none of these, all it does is call the forward, save tensors, mark the
+outputs that need no gradient, and, in the backward, coerce the incoming gradients to the
+traced layout and call the backward. The rest costs time on every step: measured on the
+4-tower MLP (2 cores, 2026-12-03, 12 ABBA rounds of 40 steps in one process, planned
+programs, race and Inductor off), a step took 3.34 ms through AOTAutograd's wrapper and
+3.19 ms through this one at batch 64 (4.6%), 2.70 and 2.63 ms at batch 32 (2.6%). A small
+Python function on that box runs 3-10x slower right after a large kernel than in a tight
+loop (cold caches), so each layer of wrapper costs more inside a step than alone.
+
+What runs: :class:`DirectGraph` is the Dynamo graph's runner once both halves were compiled
+(AOTAutograd compiles the backward lazily, at the first backward, so the first step runs
+through AOTAutograd). Its forward and backward are the very callables AOTAutograd calls
+(``autopar.capture.backend.LazyGraph``), with the same arguments, so the same programs
+run, and AOTAutograd's runner stays the fallback:
+
+- built only where :func:`unsupported` finds nothing AOTAutograd would have to do;
+- a call under autocast, under a functorch transform (``torch.func``) or with compiled
+  autograd on goes through AOTAutograd's runner.
+
+Kept from AOTAutograd: tensors saved with ``save_for_backward``, views detached first (an
+in-place change between the forward and the backward raises autograd's usual error);
+outputs that need no gradient marked non-differentiable (and no zero gradients made for
+them); incoming gradients coerced to the layout the backward was traced for; saved tensors
+freed once the backward has read them (unless ``retain_graph``); the double-backward error.
+
+Switched off with ``AUTOPAR_DIRECT_AUTOGRAD=0`` (every graph then runs through
+AOTAutograd's wrapper, as before).
+
+Example::
+
+    >>> meta = torch._guards.TracingContext.try_get().fw_metadata   # doctest: +SKIP
+    >>> unsupported(meta, num_inputs=35)       # None: this graph can run directly
+    >>> runner = DirectGraph(meta, fw, bw, aot_runner)             # doctest: +SKIP
+    >>> out = runner(*args)                    # what AOTAutograd's runner returns
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._dynamo import compiled_autograd  # imported by the caller already: Dynamo runs
+
+#: ``AUTOPAR_DIRECT_AUTOGRAD=0`` runs every graph through AOTAutograd's runtime wrapper.
+ENV = "AUTOPAR_DIRECT_AUTOGRAD"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocast: bool) -> None:
+    """Make a :class:`DirectGraph` the runner of ``graph`` (a ``capture.DynamoGraph`` whose
+    halves ``forward`` and ``backward`` are both compiled) where nothing needs AOTAutograd's
+    wrapper; ``graph.autograd`` says which runs, and why. ``meta``: AOTAutograd's metadata;
+    ``autocast``: whether the forward was traced under autocast. A tier that replaced
+    ``graph.runner`` already keeps its runner; ``graph.captured`` changes either way."""
+    if isinstance(graph.captured, DirectGraph):
+        return  # attached already
+    inputs = sum(1 for n in graph.gm.graph.nodes if n.op == "placeholder")
+    why = (
+        "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
+        else "traced under autocast" if autocast
+        else unsupported(meta, inputs)
+    )  # fmt: skip
+    runner = None
+    if why is None:
+        try:
+            runner = DirectGraph(meta, forward, backward, graph.captured)
+        except ValueError as exc:
+            why = str(exc)
+    with graph.lock:
+        if runner is None:
+            graph.autograd = f"AOTAutograd ({why})"
+            return
+        if graph.runner is graph.captured:
+            graph.runner = runner
+        graph.captured = runner
+        graph.autograd = "direct"
+
+
+def unsupported(meta: Any, num_inputs: int) -> str | None:
+    """Why AOTAutograd's runtime wrapper would do more for this graph than
+    :class:`DirectGraph` does (None: nothing). ``meta`` is AOTAutograd's
+    ``ViewAndMutationMeta`` of the graph; ``num_inputs`` the forward graph's inputs."""
+    if meta is None:
+        return "no AOTAutograd metadata"
+    checks = (
+        (len(meta.input_info) != num_inputs, "inputs lifted or deduplicated by AOTAutograd"),
+        (any(i.mutates_data or i.mutates_metadata for i in meta.input_info),
+         "the graph mutates an input"),
+        (meta.num_intermediate_bases or meta.tokens or meta.num_backward_tokens,
+         "outputs alias intermediates, or effect tokens"),
+        (meta.is_rng_op_functionalized or meta.num_graphsafe_rng_states,
+         "functionalized random numbers"),
+        (meta.num_symints_saved_for_bw or meta.num_tensors_saved_with_no_vc_check
+         or meta.num_opaque_objects_saved_for_bw, "saves symbols or unchecked tensors"),
+        (meta.grad_enabled_mutation is not None, "the graph changes grad mode"),
+        (getattr(meta, "dynamic_saved_tensors_idxs", None), "saves tensors of dynamic shape"),
+        (meta.indices_of_inputs_that_requires_grad_with_mutations_in_bw,
+         "the backward mutates an input"),
+        (not all(_plain(m) for m in (*meta.subclass_inp_meta, *meta.subclass_fw_graph_out_meta,
+                                     *meta.subclass_tangent_meta)), "tensor subclasses"),
+        (not all(_plain_output(o) for o in meta.output_info), "an output aliases or is no tensor"),
+    )  # fmt: skip
+    return next((why for bad, why in checks if bad), None)
+
+
+def _plain(m: Any) -> bool:
+    return type(m).__name__ == "PlainTensorMeta"
+
+
+def _plain_output(info: Any) -> bool:
+    """An output AOTAutograd returns as it is (``NoopAliasHandler``): no alias, or the
+    ``_unsafe_view`` of an intermediate no one else sees."""
+    kind = info.output_type.name
+    return kind in ("non_alias", "unsafe_view_alias") and issubclass(info.raw_type, torch.Tensor)
+
+
+class DirectGraph:
+    """The runner of one training Dynamo graph: ``runner(*args)`` returns what AOTAutograd's
+    runner returns (a list of the user outputs), through an ``autograd.Function`` of its
+    own (one class per graph: the graph is bound to it, not passed on every call).
+
+    ``forward(list) -> outs`` and ``backward(list) -> grads`` are the boxed callables
+    AOTAutograd calls; ``aot(*args)`` is AOTAutograd's runner, for the calls this one
+    leaves to it (module docstring)."""
+
+    def __init__(self, meta: Any, forward: Callable, backward: Callable, aot: Callable):
+        self.forward, self.backward, self.aot = forward, backward, aot
+        outputs = meta.output_info
+        self.num_outputs = len(outputs)
+        self.no_grad_outputs = [i for i, o in enumerate(outputs) if not o.requires_grad]
+        # The backward takes a gradient for the outputs that take part in it, in order.
+        self.grad_outputs = [i for i, o in enumerate(outputs) if o.requires_grad_for_backward]
+        self.layouts = [m.memory_format for m in meta.subclass_tangent_meta]
+        if len(self.layouts) != len(self.grad_outputs):
+            raise ValueError("tangent layouts do not match the outputs that take gradients")
+        self.function = _function_for(self)
+
+    def __call__(self, *args: Any) -> list:
+        if (torch._C._is_any_autocast_enabled() or _compiled_autograd()
+                or torch._C._functorch.peek_interpreter_stack() is not None):  # fmt: skip
+            # AOTAutograd's function runs these (autocast: it turns autocast off around the
+            # graph, whose casts are traced in; Dynamo guards on the autocast state, so such
+            # a graph is always called under autocast); this one does not.
+            return self.aot(*args)
+        outs = self.function.apply(*args)
+        return [outs] if self.num_outputs == 1 else list(outs)
+
+    def __repr__(self) -> str:
+        return f"DirectGraph(outputs={self.num_outputs}, grads={len(self.grad_outputs)})"
+
+
+def _compiled_autograd() -> bool:
+    return compiled_autograd.compiled_autograd_enabled
+
+
+def _function_for(graph: DirectGraph) -> type[torch.autograd.Function]:
+    """forward: the compiled forward; its outputs past the user's are the saved tensors.
+    backward: the compiled backward on the saved tensors and the coerced gradients."""
+    fw, bw, n = graph.forward, graph.backward, graph.num_outputs
+    no_grad, grad_at, layouts = graph.no_grad_outputs, graph.grad_outputs, graph.layouts
+    plain = all(_is_contiguous_layout(x) for x in layouts)
+
+    class DirectFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            outs = fw(list(args))
+            # Views saved as themselves would be views made under no_grad (AOTAutograd's
+            # Note [Detaching saved tensors in AOTAutograd]): an in-place change of their
+            # base would then raise another error than autograd's version check.
+            ctx.save_for_backward(*(x.detach() if x._is_view() else x for x in outs[n:]))
+            if no_grad:
+                ctx.mark_non_differentiable(*(outs[i] for i in no_grad))
+                ctx._materialize_non_diff_grads = False  # as AOTAutograd: no zeros for them
+            return outs[0] if n == 1 else tuple(outs[:n])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            args = list(ctx.saved_tensors)
+            if not torch._C._autograd._get_current_graph_task_keep_graph():
+                ctx.maybe_clear_saved_tensors()  # the backward frees what it has read
+            if plain:  # the usual case: contiguous gradients expected
+                args += [_contiguous(grads[i]) for i in grad_at]
+            else:
+                args += [_coerce(grads[i], layouts[j]) for j, i in enumerate(grad_at)]
+            if torch.is_grad_enabled():  # create_graph=True: results usable, not differentiable
+                # A leaf that requires grad gives the results a grad_fn even where nothing
+                # else does (the saved tensors are detached), as in AOTAutograd.
+                anchor = torch.empty(0, requires_grad=True)
+                return _NoDoubleBackward.apply(bw, anchor, *args)
+            return tuple(bw(args))
+
+    return DirectFunction
+
+
+def _contiguous(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else grad.contiguous()
+
+
+def _is_contiguous_layout(layout: Any) -> bool:
+    """A traced tangent layout that ``Tensor.contiguous()`` meets exactly."""
+    if layout is None or layout.memory_format is not None:
+        return layout is None or layout.memory_format == torch.contiguous_format
+    return layout.stride == tuple(_contiguous_strides(layout.size))
+
+
+def _contiguous_strides(size) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(tuple(size)):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return strides[::-1]
+
+
+def _coerce(grad: torch.Tensor | None, layout: Any) -> torch.Tensor | None:
+    """``grad`` in the layout the backward graph was traced for (AOTAutograd's
+    ``coerce_to_expected_memory_format``): a memory format, or exact strides."""
+    if grad is None or layout is None:
+        return grad
+    fmt = layout.memory_format
+    if fmt is not None:
+        return grad if grad.is_contiguous(memory_format=fmt) else grad.contiguous(memory_format=fmt)
+    if grad.shape == layout.size and grad.stride() == layout.stride:
+        return grad
+    out = torch.empty_strided(layout.size, layout.stride, dtype=grad.dtype, device=grad.device)
+    return out.copy_(grad)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The backward under ``create_graph=True``: its results are connected to the graph, and
+    differentiating them raises the error AOTAutograd raises."""
+
+    @staticmethod
+    def forward(ctx, backward: Callable, anchor: torch.Tensor, *args):
+        return tuple(backward(list(args)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "torch.compile with aot_autograd does not currently support double backward "
+            "(autopar: a compiled graph's backward cannot be differentiated again; run that "
+            "part eagerly)"
+        )
