@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 from torch._dynamo import compiled_autograd  # imported by the caller already: Dynamo runs
+from torch._functorch._aot_autograd.runtime_wrappers import coerce_to_expected_memory_format
+from torch._prims_common import make_contiguous_strides_for
 
 #: ``AUTOPAR_DIRECT_AUTOGRAD=0`` runs every graph through AOTAutograd's runtime wrapper.
 ENV = "AUTOPAR_DIRECT_AUTOGRAD"
@@ -211,29 +213,15 @@ def _is_contiguous_layout(layout: Any) -> bool:
     """A traced tangent layout that ``Tensor.contiguous()`` meets exactly."""
     if layout is None or layout.memory_format is not None:
         return layout is None or layout.memory_format == torch.contiguous_format
-    return layout.stride == tuple(_contiguous_strides(layout.size))
-
-
-def _contiguous_strides(size) -> list[int]:
-    strides, step = [], 1
-    for d in reversed(tuple(size)):
-        strides.append(step)
-        step *= max(int(d), 1)
-    return strides[::-1]
+    return tuple(layout.stride) == tuple(make_contiguous_strides_for(layout.size))
 
 
 def _coerce(grad: torch.Tensor | None, layout: Any) -> torch.Tensor | None:
-    """``grad`` in the layout the backward graph was traced for (AOTAutograd's
-    ``coerce_to_expected_memory_format``): a memory format, or exact strides."""
+    """``grad`` in the layout the backward graph was traced for: AOTAutograd's own
+    ``coerce_to_expected_memory_format`` (a memory format, or exact strides)."""
     if grad is None or layout is None:
         return grad
-    fmt = layout.memory_format
-    if fmt is not None:
-        return grad if grad.is_contiguous(memory_format=fmt) else grad.contiguous(memory_format=fmt)
-    if grad.shape == layout.size and grad.stride() == layout.stride:
-        return grad
-    out = torch.empty_strided(layout.size, layout.stride, dtype=grad.dtype, device=grad.device)
-    return out.copy_(grad)
+    return coerce_to_expected_memory_format(grad, layout)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
