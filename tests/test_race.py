@@ -281,7 +281,7 @@ def test_a_tier_that_replaced_the_planned_program_races_it_in_whole_steps(monkey
     is 20 ms slower per call in training: the race must not keep it, and every kind of
     step trains like eager."""
     import autopar.runtime.tiers as tiers
-    from autopar.runtime.native_tier import _Built
+    from autopar.runtime.native_tier import FinishedJob
 
     def slow(record, meta, _tiers):
         fn = record.runner
@@ -293,7 +293,7 @@ def test_a_tier_that_replaced_the_planned_program_races_it_in_whole_steps(monkey
                 time.sleep(0.02)
                 return fn(list(a))
 
-        return tiers.Candidate("slow", warm=_Built, build=Slow)
+        return tiers.Candidate("slow", warm=FinishedJob, build=Slow)
 
     monkeypatch.setitem(tiers.TIER_CANDIDATES, "slow", slow)
     monkeypatch.setenv("AUTOPAR_TIERS", "slow")

@@ -63,10 +63,9 @@ class Pipeline:
         from autopar.rnn.cell_nodes import cell_passes
 
         inductor, native = _inductor(options), native_on(options)
-        self.tiers = (
-            Tiers(getattr(options, "background", True), tier_kinds(inductor, native), self)
-            if inductor or native else None
-        )  # fmt: skip
+        kinds = tier_kinds(inductor, native)
+        self.tiers = (Tiers(getattr(options, "background", True), kinds, self)
+                      if kinds or inductor or native else None)  # fmt: skip
         self.capture = Capture(
             prepare=self.prepare, on_call=self.on_call,
             graph_passes=cell_passes(getattr(options, "rnn", "unroll")),
@@ -422,14 +421,15 @@ class Pipeline:
     def _provenance(self) -> dict:
         return {"profile_store": str(getattr(self.store, "path", None))}
 
-    def plan_and_generate(self, record: GraphRecord, table, executor: str | None = None):
+    def plan_and_generate(self, record: GraphRecord, table, executor: str | None = None,
+                          serial: bool = False):  # fmt: skip
         """Plan ``table`` (one graph's profile) and generate its program
         (``runtime.planned.plan_and_generate``; thread-safe: the adaptive re-planner calls
         it from a background thread)."""
         from autopar.runtime.planned import plan_and_generate
 
         return plan_and_generate(record, table, self.options, self.store, self._provenance(),
-                                 executor)  # fmt: skip
+                                 executor, serial)  # fmt: skip
 
 
 def _empty_batch(args, kwargs) -> bool:

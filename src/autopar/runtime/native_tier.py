@@ -29,8 +29,9 @@ _lock = threading.Lock()
 _job = None  # the build job of this process, once queued
 
 
-class _Built:
-    """A finished job (the interpreter was built already): ``WarmupJob``'s interface."""
+class FinishedJob:
+    """A finished job (the interpreter was built already, or a candidate needs no warm-up):
+    ``WarmupJob``'s interface."""
 
     returncode, error = 0, ""
 
@@ -52,7 +53,7 @@ def start_native_build():
     global _job
     with _lock:
         if native.available():
-            return _Built()
+            return FinishedJob()
         retry = _job is not None and _job.poll() not in (None, 0) and not _job.cancelled
         if _job is None or retry:
             fd, path = tempfile.mkstemp(prefix="autopar-native-", suffix=".job")

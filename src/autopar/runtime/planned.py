@@ -48,12 +48,16 @@ def emitter(options) -> str:
     return "python" if env == "native" and not native_on(options) else env
 
 
-def make_plans(table, options, store, tag: str, executor: str):
-    """The plan of one graph's profile for ``executor``."""
+def make_plans(table, options, store, tag: str, executor: str, serial: bool = False):
+    """The plan of one graph's profile for ``executor`` (``serial``: the one-stream plan that
+    a multi-stream one is measured against)."""
     from autopar.codegen.native import planning_machine, planning_streams
     from autopar.planning.partition import default_machine, make_plan
 
     budget = getattr(options, "memory_budget", None)
+    if serial:
+        return make_plan(table, policy="serial", memory_budget=budget, graph_id=tag,
+                         store=store)  # fmt: skip
     if executor != "native":
         return make_plan(
             table, streams=options.streams, policy=options.policy, memory_budget=budget,
@@ -72,14 +76,16 @@ def make_plans(table, options, store, tag: str, executor: str):
     return multi if multi.predicted_step_time < serial.predicted_step_time else serial
 
 
-def plan_and_generate(record, table, options, store, provenance: dict, executor=None):
+def plan_and_generate(record, table, options, store, provenance: dict, executor=None,
+                      serial: bool = False):  # fmt: skip
     """Plan ``table`` (one graph's profile) and generate its program (thread-safe: the
-    adaptive re-planner calls it from a background thread). Returns ``(plan, program)``."""
+    adaptive re-planner calls it from a background thread). Returns ``(plan, program)``.
+    ``serial``: the one-stream plan (``make_plans``)."""
     from autopar.codegen.executors import generate
 
     executor = executor or emitter(options)
     t1 = time.perf_counter()
-    plan = make_plans(table, options, store, record.tag, executor)
+    plan = make_plans(table, options, store, record.tag, executor, serial)
     t2 = time.perf_counter()
     program = generate(record.gm, plan, record.tag, provenance=provenance, executor=executor)
     record.advance("plan", t2 - t1, plan.policy)
@@ -100,16 +106,12 @@ def confirm_by_measurement(record, table, args, plan, program, options, store, p
     plan's notes. Returns ``(plan, program)``, the kept ones.
     """
     from autopar.codegen.executors import generate
-    from autopar.planning.partition import make_plan
     from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
 
     if len(getattr(program, "streams_used", ())) <= 1:
         return plan, program
     t0 = time.perf_counter()
-    serial = make_plan(
-        table, policy="serial", memory_budget=getattr(options, "memory_budget", None),
-        graph_id=record.tag, store=store,
-    )  # fmt: skip
+    serial = make_plans(table, options, store, record.tag, "", serial=True)
     executor = "native" if program.executor == "native" else None
     serial_prog = generate(record.gm, serial, record.tag, provenance=provenance,
                            executor=executor)  # fmt: skip

@@ -4,6 +4,8 @@ executors land later, each only if measured faster.
 Tier 0 is what the first call chose (the planned program, or the captured graph). The
 later tiers are the *candidates* of :data:`TIER_CANDIDATES`, each one factory there:
 
+- ``"remeasure"``: the planned program that the first call's measurement did not keep,
+  measured again in the steady state (``runtime.remeasure_tier``);
 - ``"native"``: the planned program on the native stream interpreter
   (``autopar.codegen.native``), offered while the interpreter is not built: its warm-up
   builds it (once per torch version and machine), its compile plans and generates the
@@ -30,14 +32,14 @@ Warm-ups run one at a time, in one worker process per training process
 (``codegen.warmup``), from the second step on (the first call of each graph only queues
 them). While one compiles, the training thread sleeps at each forward call (under
 ``backend="autopar"``: at each step's first forward graph) for :data:`COMPILE_SHARE` of the
-wall time, and the worker (at ``SCHED_IDLE``) runs only then or
-when the training leaves a core idle: the compile gets whole cores in short turns, never a
-core that a 2-thread OpenMP op is waiting for. HF BERT's first 90 s, fresh Inductor cache,
-2-core box (2026-12-02, ``benchmarks/early_steps.py``): 4,267 steps, every tier in place
-54 s after the first call, steps of 32-45 ms meanwhile (12 ms after; eager: about 7,000
-steps in 90 s); before (a process per warm-up in a session of its own, where its nice 10 did
-not count against the training's group): 1,310 steps in the first 70 s, steps of 39-1,220 ms
-while compiling, tiers in place after 54-61 s. Without the pauses the worker at
+wall time, and the worker (at ``SCHED_IDLE``) runs only then or when the training leaves a
+core idle: the compile gets whole cores in short turns, never one an OpenMP op waits for.
+HF BERT's first 90 s, fresh Inductor cache, 2-core box (2026-12-02,
+``benchmarks/early_steps.py``): 4,267 steps, every tier in place 54 s after the first call,
+steps of 32-45 ms meanwhile (12 ms after; eager: about 7,000 steps in 90 s); before (a
+process per warm-up in a session of its own, where its nice 10 did not count against the
+training's group): 1,310 steps in the first 70 s, steps of 39-1,220 ms while compiling,
+tiers in place after 54-61 s. Without the pauses the worker at
 ``SCHED_IDLE`` got no CPU from a training loop that keeps both cores busy: no tier landed
 in 240 s. Why: on a small machine a compile process takes a core, and the first step's
 profiles (the store's entries, and every plan built from them) would measure operators on a
@@ -78,6 +80,7 @@ from autopar.runtime.joint_tier import (
 )
 from autopar.runtime.measure import SideEffectGuard, time_candidates, written_inputs
 from autopar.runtime.native_tier import native_candidate
+from autopar.runtime.remeasure_tier import remeasure_candidate
 from autopar.runtime.segment_runner import (
     SEGMENT_MIN_GAIN,
     compile_segment_tier,
@@ -98,18 +101,15 @@ log = logging.getLogger("autopar")
 COMPILE_SHARE = 0.5
 MAX_STEP_S = 1.0
 #: A warm-up still running this long after it was started is stopped, and its candidate
-#: given up with a tier line: a compile that hangs (a lock nobody will release, a stuck
-#: compiler) must not cost the training COMPILE_SHARE of every step for good. The slowest
-#: whole tier seen on the 2-core box took 71 s (Inception, n1 bench, 2026-12-02).
+#: given up with a tier line: a hung compile must not cost the training COMPILE_SHARE of
+#: every step for good. The slowest whole tier on the 2-core box took 71 s (2026-12-02).
 WARMUP_LIMIT_S = 600.0
 #: A candidate must take at most this fraction of the current tier's time to be swapped in
 #: (measurement noise must not flip executors back and forth).
 LAND_MARGIN = 0.97
 
-__all__ = [
-    "DEFAULT_TIERS", "LAND_MARGIN", "SEGMENT_MIN_GAIN", "TIER_CANDIDATES", "Tiers",
-    "default_candidates", "tier_kinds",
-]  # fmt: skip
+__all__ = ["DEFAULT_TIERS", "LAND_MARGIN", "SEGMENT_MIN_GAIN", "TIER_CANDIDATES", "Tiers",
+           "default_candidates", "tier_kinds"]  # fmt: skip
 
 
 @dataclass
@@ -171,6 +171,7 @@ def _split(graph, args: list) -> Candidate:
 #: name -> factory(record, input_meta, tiers) -> Candidate, or None when it does not apply.
 #: A new tier is one factory here (and its executor's module).
 TIER_CANDIDATES: dict[str, Callable[[Any, list, Any], Candidate | None]] = {
+    "remeasure": lambda rec, meta, tiers: remeasure_candidate(rec, meta, tiers.planner, Candidate),
     "native": _native,
     "inductor": _inductor,
     "segments": _segments,
@@ -190,8 +191,9 @@ GRAPH_CANDIDATES: dict[str, Callable[[Any, list], Candidate | None]] = {
 #: gap to torch.compile (see docs/executors.md). The batch split is on: where a graph
 #: qualifies (no random draws, no batch statistics) it can beat both on few cores.
 #: The native interpreter's build comes first: it is one job for the whole process, and on
-#: multi-branch models its programs are the ones that win (towers, 2026-12-02).
-DEFAULT_TIERS = ("native", "inductor", "joint", "split")
+#: multi-branch models its programs are the ones that win (towers, 2026-12-02). The
+#: re-measure tier needs no compile: it is measured with the others.
+DEFAULT_TIERS = ("remeasure", "native", "inductor", "joint", "split")
 
 
 def default_candidates() -> tuple[str, ...]:
@@ -210,8 +212,9 @@ def default_candidates() -> tuple[str, ...]:
 
 def tier_kinds(inductor: bool, native: bool) -> tuple[str, ...]:
     """The tiers of :func:`default_candidates` that a model's options allow: the Inductor
-    ones when ``inductor``, ``"native"`` when ``native``."""
-    return tuple(k for k in default_candidates() if (native if k == "native" else inductor))
+    ones when ``inductor``, ``"native"`` when ``native``, ``"remeasure"`` always."""
+    allowed = {"native": native, "remeasure": True}
+    return tuple(k for k in default_candidates() if allowed.get(k, inductor))
 
 
 @dataclass

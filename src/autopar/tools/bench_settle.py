@@ -56,8 +56,11 @@ class TierWatch:
 
         now = time.perf_counter() - self.t_first
         for u in autopar.api.graphs(self.cmodel):
-            if u.tag not in self.stamped and _tier_stamp(u) is not None:
-                self.stamped[u.tag] = now if u.executor in TIERS else self.first_step_s
+            stamp = _tier_stamp(u)
+            if u.tag not in self.stamped and stamp is not None:
+                # a tier that landed a planned program (remeasure, native) keeps "plan"
+                landed = u.executor in TIERS or stamp.note.endswith("landed")
+                self.stamped[u.tag] = now if landed else self.first_step_s
 
     def graphs(self) -> list[dict[str, Any]]:
         import autopar.api
@@ -96,7 +99,7 @@ def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
         watch.look()
     c.watch = watch
     return {
-        "inductor_tier": pipeline.tiers is not None,
+        "inductor_tier": pipeline.tiers is not None and "inductor" in pipeline.tiers.kinds,
         "first_call_s": pipeline.compile_seconds,
         "wait_s": wait_s,
         "wait_done": waited,
