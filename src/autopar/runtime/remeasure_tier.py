@@ -28,36 +28,31 @@ from __future__ import annotations
 
 from autopar.runtime.native_tier import FinishedJob
 
-#: The note that ``runtime.planned.confirm_by_measurement`` stamps on its verdict.
-FIRST_CALL_NOTE = "measured at first call"
-
 
 def remeasure_candidate(record, meta: list, planner, candidate):
     """The tier's ``candidate(...)`` for ``record``, or None: no planner (the pipeline
     passes itself: its ``plan_and_generate``), no profile, no planned program, or a
-    program that the first call did not choose by measurement (one stream planned)."""
+    program that the first call did not choose by measurement (its ``measure`` stamp,
+    which only ``runtime.planned.confirm_by_measurement`` makes)."""
     program = record.program
     if planner is None or record.table is None or record.executor != "plan" or program is None:
         return None
-    if not any(p.stage == "measure" and p.note.startswith(FIRST_CALL_NOTE)
-               for p in record.unit.provenance):  # fmt: skip
+    if not any(p.stage == "measure" for p in record.unit.provenance):
         return None
     serial = len(getattr(program, "streams_used", ())) > 1  # the other one: serial
     executor = "native" if program.executor == "native" else None
-
-    def build():
-        return planner.plan_and_generate(record, record.table, executor, serial=serial)[1]
+    made: list = []  # the program, generated once: by check(), which runs before build()
 
     def check() -> str | None:
-        if serial:
-            return None
-        from autopar.runtime.planned import emitter, make_plans
-
-        plan = make_plans(record.table, planner.options, planner.store, record.tag,
-                          executor or emitter(planner.options))  # fmt: skip
-        if len({s for _, s in plan.placements}) < 2:
+        try:
+            made.append(planner.plan_and_generate(record, record.table, executor,
+                                                  serial=serial)[1])  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the current program simply stays
+            return f"could not generate it ({type(exc).__name__}: {exc})"
+        if not serial and len(made[-1].streams_used) < 2:
             return "the cost model plans one stream for it now"
         return None
 
-    return candidate("serial" if serial else "streams", warm=FinishedJob, build=build,
-                     check=check, tag=record.tag, executor="plan")  # fmt: skip
+    return candidate("serial" if serial else "streams", warm=FinishedJob,
+                     build=lambda: made[-1], check=check, tag=record.tag,
+                     executor="plan")  # fmt: skip
