@@ -111,6 +111,18 @@ def test_quick_defaults_and_explicit_options(tmp_path):
     assert opts["inductor"] is False and opts["race"] is False and opts["background"] is False
 
 
+def test_settling_stops_at_its_time_budget(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.resolve_args(parser.parse_args([])).settle_s == bench.DEFAULTS["settle_s"]
+    # The race needs more than one step to decide: a budget of 0 s stops before any.
+    args = _args(tmp_path, "--settle-steps", "1000", "--settle-s", "0")
+    a = bench.bench_model(TINY, args, torch.get_num_threads())["autopar"]
+    assert a["settle_steps"] == 0 and not a["settled"]
+    with pytest.raises(SystemExit, match="--settle-s"):
+        bench.resolve_args(parser.parse_args(["--settle-s", "-1"]))
+
+
 def test_model_needing_a_missing_package_is_refused(monkeypatch):
     missing = dataclasses.replace(bench_models.BENCH_MODELS["bert"], requires="no_such_pkg_x")
     monkeypatch.setitem(bench_models.BENCH_MODELS, "bert", missing)

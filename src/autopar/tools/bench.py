@@ -11,8 +11,8 @@ backward -> optimizer.step``. The run of one model has three phases:
 2. **autopar settles**, alone (so that its race times whole steps undisturbed):
    ``autopar.wait`` until the background compiles are done, then autopar-only steps until
    every graph's tier has landed or lost and the race of eager against compiled steps has a
-   verdict (at most ``--settle-steps``). The table reports how long this took, which executor
-   runs each graph, and the race verdict.
+   verdict (at most ``--settle-steps`` steps and ``--settle-s`` seconds). The table reports
+   how long this took, which executor runs each graph, and the race verdict.
 3. **Steady state**, interleaved: ``--warmup`` untimed rounds, then rounds until
    ``--steps`` steps per contender were timed. Each round runs one step of every
    contender, in a rotating order reversed every other round (ABBA), so a slow phase of
@@ -90,12 +90,17 @@ BACKEND = "autopar-backend"
 #: Contenders that are references, not peers (never the "best" autopar is compared with).
 PROBES = ("autopar", "autopar-plans", BACKEND)
 #: ``--quick``: models, timed steps, warm-up rounds and settle steps of a smoke run.
-QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "block": 1}
+QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "settle_s": 60.0,
+         "block": 1}
 #: 240 timed steps: identical ``torch.compile`` copies of one model, timed in rotation in one
 #: process, differed by up to 1.3-2.2% in median step (Transformer) and 0.5-1.6% (HF BERT)
 #: over 240 rounds (2026-12-02, 4 copies, 2 runs each); 60 rounds leave about twice that,
 #: as much as the gaps the bench is read for. The rounds cost seconds; the compiles minutes.
-DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 10000, "block": 1}
+#: Settling is bounded by time as well as steps: the race confirms its verdict 10 s after the
+#: first race (``runtime.race.CONFIRM_AFTER_S``) and a tier that lands races again, so a
+#: fast model needs more steps. 10,000 steps of the Transformer (3.1 ms, 2026-12-04) ended
+#: 58 s after its first step, mid-race, and its race's turns were then timed as autopar.
+DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 100000, "settle_s": 300.0, "block": 1}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
 NOISY_IQR_PCT = 50
 
@@ -168,6 +173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="at most this many autopar-only steps after autopar.wait, for its tiers to land "
         f"and its race to decide (default {DEFAULTS['settle_steps']}; 0: none)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="... and for at most this many seconds of them "
+        f"(default {DEFAULTS['settle_s']:g})",
     )
     parser.add_argument(
         "--wait-timeout",
@@ -280,8 +292,8 @@ def resolve_args(args) -> argparse.Namespace:
     for name, default in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, QUICK[name] if quick else default)
-    if args.warmup < 0 or args.settle_steps < 0:
-        raise SystemExit("autopar bench: --warmup and --settle-steps must be >= 0")
+    if args.warmup < 0 or args.settle_steps < 0 or args.settle_s < 0:
+        raise SystemExit("autopar bench: --warmup, --settle-steps and --settle-s must be >= 0")
     optional = {"no_tier": False, "no_background": False, "no_race": False, "no_adapt": False,
                 "backend": False,
                 "warm_cache": False, "wait_timeout": 900.0, "wait_quiet": 0.0,

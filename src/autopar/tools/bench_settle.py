@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import statistics
 import tempfile
@@ -92,8 +93,10 @@ def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
     t0 = time.perf_counter()
     waited = autopar.api.wait(c.module, timeout=args.wait_timeout)
     wait_s = time.perf_counter() - t0
-    steps = 0
-    while not _settled(pipeline) and steps < args.settle_steps and c.error is None:
+    steps, t_steps = 0, time.perf_counter()
+    budget_s = getattr(args, "settle_s", math.inf)
+    while (not _settled(pipeline) and steps < args.settle_steps and c.error is None
+           and time.perf_counter() - t_steps < budget_s):  # fmt: skip
         step()
         steps += 1
         watch.look()
