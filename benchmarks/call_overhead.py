@@ -4,10 +4,10 @@ layers of one call, each timed on its own, against ``torch.compile(model)``.
 Five callables per model, all with gradients on (a training forward; the output is dropped):
 
 * ``torch.compile``: ``torch.compile(model)``, the bench's peer;
-* ``tc + autopar's Dynamo settings``: ``torch.compile(model, dynamic=False, recompile_limit=8,
-  isolate_recompiles=True)``, first called with ``skip_nnmodule_hook_guards=False`` (what
-  ``capture.backend.dynamo_compile`` and ``adapt.shapes.HookGuardsWhileCompiling`` do, so
-  that a hook added after the first call takes effect): the cost of those guards;
+* ``tc + autopar's Dynamo settings``: Inductor behind autopar's own ``torch.compile`` call
+  (``capture.backend.dynamo_compile``: ``dynamic=False``, its own cache region), first
+  called with ``skip_nnmodule_hook_guards=False`` (as ``adapt.shapes.HookGuardsWhileCompiling``
+  sets it, so that a hook added after the first call takes effect): the cost of those guards;
 * ``autopar: Dynamo module``: autopar's own ``torch.compile``d module (its Dynamo guards and
   the graph's settled executor, with no ``Pipeline.call`` around it);
 * ``autopar: Pipeline.call``: the same through ``Pipeline.call`` (input signature, race,
@@ -43,29 +43,23 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
 import autopar
 from autopar.api import _pipeline_of
+from autopar.capture.backend import dynamo_compile
+from autopar.tools.bench import DEFAULTS
 from autopar.tools.bench_models import BENCH_MODELS, default_models, make_loss
-from autopar.tools.bench_settle import _settled
+from autopar.tools.bench_settle import autopar_settle
 
 
-def _settle(cmodel, step: Callable[[], None], max_steps: int) -> int:
-    """``autopar.wait``, then training steps until every tier landed and the race decided."""
-    pipeline = _pipeline_of(cmodel, "call_overhead")
-    autopar.wait(cmodel, timeout=600)
-    steps = 0
-    while not _settled(pipeline) and steps < max_steps:
-        step()
-        steps += 1
-    return steps
-
-
-def _with_autopar_dynamo_settings(model: torch.nn.Module, inputs) -> torch.nn.Module:
-    compiled = torch.compile(model, dynamic=False, recompile_limit=8, isolate_recompiles=True)
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):  # the first compile
+def _with_autopar_dynamo_settings(model: torch.nn.Module, inputs, recompile_limit: int):
+    """``torch.compile`` with Inductor as autopar calls ``torch.compile``
+    (``capture.backend.dynamo_compile``), its first compile with the hook guards on."""
+    compiled = dynamo_compile(model, SimpleNamespace(backend="inductor"), recompile_limit)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
         compiled(*inputs)
     return compiled
 
@@ -77,9 +71,11 @@ def measure(name: str, rounds: int, calls: int, store: str, max_steps: int) -> N
     loss_fn = make_loss(spec, base(*inputs))
 
     tc = torch.compile(copy.deepcopy(base))
-    tc_settings = _with_autopar_dynamo_settings(copy.deepcopy(base), inputs)
     model = copy.deepcopy(base)
     cmodel = autopar.compile(model, store=store)
+    pipeline = _pipeline_of(cmodel, "call_overhead")
+    tc_settings = _with_autopar_dynamo_settings(copy.deepcopy(base), inputs,
+                                                pipeline.recompile_limit)  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -87,9 +83,13 @@ def measure(name: str, rounds: int, calls: int, store: str, max_steps: int) -> N
         loss_fn(cmodel(*inputs)).backward()
         opt.step()
 
+    t_first = time.perf_counter()
     step()
-    settle_steps = _settle(cmodel, step, max_steps)
-    pipeline = _pipeline_of(cmodel, "call_overhead")
+    # autopar bench's phase 2: autopar.wait, then steps until the tiers and the race settled
+    contender = SimpleNamespace(module=cmodel, t_first=t_first, compile_s=None, error=None)
+    limits = SimpleNamespace(wait_timeout=600.0, settle_steps=max_steps,
+                             settle_s=DEFAULTS["settle_s"])  # fmt: skip
+    settle_steps = autopar_settle(contender, step, limits)["settle_steps"]
     inner, orig = cmodel._autopar_compiled, cmodel._orig_mod
     fns: dict[str, Callable[[], object]] = {
         "torch.compile": lambda: tc(*inputs),
@@ -129,7 +129,7 @@ def main() -> None:
                     help=f"comma-separated, from {','.join(default_models())}")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=400)
     ap.add_argument("--calls", type=int, default=3, help="calls per callable per round")
-    ap.add_argument("--settle-steps", type=int, default=10000)
+    ap.add_argument("--settle-steps", type=int, default=DEFAULTS["settle_steps"])
     ap.add_argument("--store", default=None, help="profile store (default: a temporary one)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--settle-s",
         type=float,
         default=None,
-        help="... and for at most this many seconds of them "
+        help="at most this many seconds of those autopar-only steps "
         f"(default {DEFAULTS['settle_s']:g})",
     )
     parser.add_argument(

@@ -341,7 +341,7 @@ def meta(args, default_threads: int) -> dict[str, Any]:
         "warmup": args.warmup,
         "block": getattr(args, "block", 1),
         "settle_steps": args.settle_steps,
-        "settle_s": getattr(args, "settle_s", None),
+        "settle_s": args.settle_s,
         "streams": args.streams,
         "policy": args.policy,
         "adapt": not getattr(args, "no_adapt", False),

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import math
 import shutil
 import statistics
 import tempfile
@@ -94,9 +93,8 @@ def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
     waited = autopar.api.wait(c.module, timeout=args.wait_timeout)
     wait_s = time.perf_counter() - t0
     steps, t_steps = 0, time.perf_counter()
-    budget_s = getattr(args, "settle_s", math.inf)
     while (not _settled(pipeline) and steps < args.settle_steps and c.error is None
-           and time.perf_counter() - t_steps < budget_s):  # fmt: skip
+           and time.perf_counter() - t_steps < args.settle_s):  # fmt: skip
         step()
         steps += 1
         watch.look()
