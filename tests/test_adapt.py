@@ -168,6 +168,8 @@ def test_shape_cache_lru_misses_eviction_and_thrash(caplog):
     assert "seen before, evicted" in misses[3]
     thrash = [m for m in caplog.messages if "dynamic-shape thrash" in m]
     assert len(thrash) == 1 and "cache_size" in thrash[0] and "bucket" in thrash[0]
+    limit = cm._autopar_pipeline.recompile_limit  # past it Dynamo runs new shapes eagerly
+    assert f"recompile limit ({limit}) new ones run eagerly" in thrash[0], thrash[0]
     cache = cm._autopar_pipeline.monitor.cache
     assert len(cache.entries) == 2 and cache.evictions == 3
     live = [r for r in cm._autopar_pipeline.records if r.runner is not None]

@@ -38,6 +38,9 @@ class PlanCache:
         self.misses = self.evictions = 0
         self.seen: set = set()
         self.thrash_reported = False
+        # Dynamo's recompile limit for the module (the pipeline sets it): past it Dynamo
+        # runs new signatures eagerly, which the thrash warning says.
+        self.recompile_limit: int | None = None
 
     def describe(self, key) -> str:
         return self.names.get(key, "")
@@ -64,12 +67,15 @@ class PlanCache:
             log.info("autopar: plan cache full: evicted %s (%s)", self.names[old], tags)
             if not self.thrash_reported:
                 self.thrash_reported = True
+                past = (f", and past Dynamo's recompile limit ({self.recompile_limit}) new "
+                        "ones run eagerly" if self.recompile_limit else "")  # fmt: skip
                 msg = (
                     f"autopar: dynamic-shape thrash: {len(self.seen)} distinct input signatures "
-                    f"but cache_size={self.size}; every new one is profiled and planned again. "
-                    "Pad or bucket shapes (e.g. sequence length to a multiple of 64, a fixed "
-                    "batch size with drop_last=True), or raise cache_size (autopar raises "
-                    "Dynamo's recompile limit for the module to at least cache_size)."
+                    f"but cache_size={self.size}; a signature seen again after its eviction is "
+                    f"profiled and planned again{past}. Pad or bucket shapes (e.g. sequence "
+                    "length to a multiple of 64, a fixed batch size with drop_last=True), or "
+                    "raise cache_size (autopar raises Dynamo's recompile limit for the module "
+                    "to at least cache_size)."
                 )
                 log.warning(msg)
         return False
