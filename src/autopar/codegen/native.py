@@ -108,7 +108,7 @@ class Lowered:
 #: per-thread parts meet at barriers. Inside the interpreter's parallel region oneDNN runs
 #: those parts one after another, so a primitive made for two threads waits forever at its
 #: first barrier. interp.cpp sets each stream's OpenMP thread count to 1 against this, and
-#: still, on 2026-12-04, Inception's backward hung there in two of six bench runs (gdb:
+#: still, on 2026-12-04, Inception's backward hung there in two of eight bench runs (gdb:
 #: a stream thread in ``jit_avx512_common_convolution_bwd_weights_t::reduce_diff_weights``,
 #: the other spinning on its event, for 20+ minutes). One-stream programs run outside any
 #: region and may call them.
