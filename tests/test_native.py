@@ -184,9 +184,13 @@ def test_models_train_like_eager_through_the_interpreter(name):
     comp = check_training(model, inputs, _native_compile(streams=2, policy="heft"))
     units = autopar.graphs(comp)
     if name == "inception":  # convolutions: no multi-stream native program, and it says why
-        assert units and all(u.program.executor != "native" or "STREAM_1" not in u.program.source
-                             for u in units)  # fmt: skip
-        assert any("ONEDNN_BARRIER_OPS" in n for u in units for n in u.program.notes)
+        assert units
+        for u in units:  # the first call's measurement may keep a serial plan instead
+            if len(u.program.streams_used) > 1:
+                assert u.program.executor != "native", u.tag
+                assert any("ONEDNN_BARRIER_OPS" in n for n in u.program.notes), u.program.notes
+            else:
+                assert "STREAM_1" not in u.program.source, u.tag
         return
     assert units and all(u.program.executor == "native" for u in units), [
         (u.tag, u.program.notes) for u in units
