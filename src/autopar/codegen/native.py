@@ -142,9 +142,10 @@ def lower(gm: fx.GraphModule, plan: Plan, tag: str) -> Lowered:
     slot = {n: i for i, n in enumerate(inputs)}
     for n in sched.compute:
         _check(n)
-        if len(index) > 1 and _schema_name(n) in ONEDNN_BARRIER_OPS:
+        op = getattr(getattr(n.target, "_schema", None), "name", "")
+        if len(index) > 1 and op in ONEDNN_BARRIER_OPS:
             raise Unsupported(
-                f"{n.name} calls {_schema_name(n)}, which may hang in a multi-stream region "
+                f"{n.name} calls {op}, which may hang in a multi-stream region "
                 "(oneDNN's barriers; see ONEDNN_BARRIER_OPS)"
             )
         slot[n] = len(slot)
@@ -204,11 +205,6 @@ def _check(n: fx.Node) -> None:
     if not isinstance(n.target, torch._ops.OpOverload):
         name = getattr(n.target, "__name__", repr(n.target))
         raise Unsupported(f"{n.name} calls {name}, which is not an aten-style operator")
-
-
-def _schema_name(n: fx.Node) -> str:
-    schema = getattr(n.target, "_schema", None)
-    return schema.name if schema is not None else ""
 
 
 def _check_const(v, where: fx.Node) -> None:
