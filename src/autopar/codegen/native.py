@@ -104,22 +104,6 @@ class Lowered:
     stream_ids: tuple[int, ...]  # the plan's stream of each interpreter stream
 
 
-#: Operators kept off multi-stream programs: they may run oneDNN primitives whose
-#: per-thread parts meet at barriers. Inside the interpreter's parallel region oneDNN runs
-#: those parts one after another, so a primitive made for two threads waits forever at its
-#: first barrier. interp.cpp sets each stream's OpenMP thread count to 1 against this, and
-#: still, on 2026-12-04, Inception's backward hung there in two of eight bench runs (gdb:
-#: a stream thread in ``jit_avx512_common_convolution_bwd_weights_t::reduce_diff_weights``,
-#: the other spinning on its event, for 20+ minutes). One-stream programs run outside any
-#: region and may call them.
-#: Only convolutions so far: the hang seen was theirs (``tests/test_native.py`` runs the
-#: LSTM cell model's programs on two streams).
-ONEDNN_BARRIER_OPS = frozenset({
-    "aten::convolution", "aten::_convolution", "aten::convolution_backward",
-    "aten::mkldnn_convolution",
-})  # fmt: skip
-
-
 def lower(gm: fx.GraphModule, plan: Plan, tag: str) -> Lowered:
     """Lower ``gm`` under ``plan`` to per-stream instruction lists (raises
     :class:`Unsupported` or ``PlanError``)."""
@@ -142,12 +126,6 @@ def lower(gm: fx.GraphModule, plan: Plan, tag: str) -> Lowered:
     slot = {n: i for i, n in enumerate(inputs)}
     for n in sched.compute:
         _check(n)
-        op = getattr(getattr(n.target, "_schema", None), "name", "")
-        if len(index) > 1 and op in ONEDNN_BARRIER_OPS:
-            raise Unsupported(
-                f"{n.name} calls {op}, which may hang in a multi-stream region "
-                "(oneDNN's barriers; see ONEDNN_BARRIER_OPS)"
-            )
         slot[n] = len(slot)
     events = {n: i for i, n in enumerate(sched.signals)}
 
