@@ -47,11 +47,10 @@ class Pipeline:
         adapt = getattr(options, "adapt", True)
         adapt = AdaptOptions() if adapt is True else (adapt or None)
         cache_size = getattr(options, "cache_size", 8)
-        self.monitor = Monitor(self, adapt, cache_size)
         # Dynamo's settings for this module's calls (adapt.shapes): with a cache region of
         # its own (torch 2.13) only the hook guards, while compiling; else dynamo_limit().
         self.recompile_limit = max(cache_size, dynamo_recompile_limit())
-        self.monitor.cache.recompile_limit = self.recompile_limit
+        self.monitor = Monitor(self, adapt, cache_size, self.recompile_limit)
         self._hook_guards = HookGuardsWhileCompiling()
         if dynamo_regions():
             self._dynamo_settings = lambda: self._hook_guards

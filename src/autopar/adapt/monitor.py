@@ -162,11 +162,17 @@ def _cuda_sync_of(gm):
 class Monitor:
     """Per-model monitor, shape cache and re-planner (created by ``autopar.pipeline``)."""
 
-    def __init__(self, pipeline, options: AdaptOptions | None, cache_size: int):
+    def __init__(
+        self,
+        pipeline,
+        options: AdaptOptions | None,
+        cache_size: int,
+        recompile_limit: int | None = None,
+    ):
         self.pipeline = pipeline
         self.options = options
         self.enabled = options is not None
-        self.cache = PlanCache(cache_size, self._evict)
+        self.cache = PlanCache(cache_size, self._evict, recompile_limit)
         self.rows: deque[tuple] = deque(maxlen=options.history if options else 1)
         self.step = -1
         self.key: Any = None

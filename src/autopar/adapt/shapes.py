@@ -28,7 +28,7 @@ class PlanCache:
     the store). Each miss logs one line; the first eviction warns once about shape thrash.
     """
 
-    def __init__(self, size: int, evict):
+    def __init__(self, size: int, evict, recompile_limit: int | None = None):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"cache_size must be a positive int, got {size!r}")
         self.size = size
@@ -38,9 +38,9 @@ class PlanCache:
         self.misses = self.evictions = 0
         self.seen: set = set()
         self.thrash_reported = False
-        # Dynamo's recompile limit for the module (the pipeline sets it): past it Dynamo
+        # Dynamo's recompile limit for the module (from the pipeline): past it Dynamo
         # runs new signatures eagerly, which the thrash warning says.
-        self.recompile_limit: int | None = None
+        self.recompile_limit = recompile_limit
 
     def describe(self, key) -> str:
         return self.names.get(key, "")
