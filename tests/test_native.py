@@ -136,12 +136,12 @@ def test_errors_name_the_node_and_nothing_hangs():
 
 
 #: Run in a fresh process (its libgomp worker thread has never run an ATen op), with the
-#: process-wide thread count set as a user or the bench sets it. Each stream runs a
+#: process-wide thread count set as autopar's profiler or a user sets it. Each stream runs a
 #: TensorIterator op first (ATen's lazy per-thread init, which used to raise that thread's
 #: OpenMP count back to 2) and then a convolution backward, which oneDNN then planned for
 #: two threads and ran on one inside the region: it waited forever at its first barrier.
 _CONV_ON_TWO_STREAMS = """
-import sys, torch
+import torch
 torch.set_num_threads(2)
 from torch.fx.experimental.proxy_tensor import make_fx
 from test_codegen import TAG, make_plan
@@ -157,10 +157,9 @@ def two_conv_grads(x, w, go):
 
 args = [torch.randn(16, 32, 14, 14), torch.randn(32, 32, 3, 3), torch.randn(16, 32, 14, 14)]
 gm = make_fx(two_conv_grads)(*args)
-nodes = list(gm.graph.nodes)
-second = set()
-for n in nodes:  # the sigmoid branch on stream 1
-    if n.name == "sigmoid" or any(a in second for a in n.all_input_nodes if n.op != "output"):
+second = set()  # the sigmoid branch, on stream 1
+for n in gm.graph.nodes:
+    if n.op != "output" and (n.name == "sigmoid" or set(n.all_input_nodes) & second):
         second.add(n)
 prog = generate_native(gm, make_plan(gm, lambda i, n: int(n in second), 2), TAG)
 assert prog.executor == "native" and "STREAM_1 = [" in prog.source, prog.notes

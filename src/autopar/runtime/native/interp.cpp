@@ -183,12 +183,11 @@ class Program {
             // count), then runs its per-thread parts with barriers between them; a
             // primitive made for 2 threads and run inside this region (where oneDNN runs
             // them one after another) waits forever at its first barrier (Inception's
-            // convolution backward did). This task's ICV only: the caller's is untouched.
-            // at::get_num_threads() first: it runs ATen's lazy per-thread init on this
-            // thread if it has not run yet. Left to the stream's first at::parallel_for,
-            // that init sets the thread's count back to torch.set_num_threads' value
-            // (when one was set), and a later convolution backward on this stream hung as
-            // above (tests/test_native.py, test_convolution_backward_on_a_second_stream...).
+            // convolution backward did). at::get_num_threads() before the setting: it runs
+            // ATen's lazy per-thread init, which on a thread's first at::parallel_for would
+            // otherwise set the count back to torch.set_num_threads' value mid-call
+            // (tests/test_native.py, test_convolution_backward_on_a_second_stream...). The
+            // setting is this task's ICV only: the caller's is untouched.
             at::get_num_threads();
             omp_set_num_threads(1);
             at::ThreadLocalStateGuard guard(tls);
