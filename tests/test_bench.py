@@ -129,6 +129,11 @@ def test_model_needing_a_missing_package_is_refused(monkeypatch):
     with pytest.raises(argparse.ArgumentTypeError, match=r"bert needs no_such_pkg_x.*autopar\["):
         bench._model_list("towers,bert")
     assert "bert" not in bench_models.default_models()
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    default = bench.resolve_args(parser.parse_args([]))  # the default list says what it left out
+    assert "bert" not in default.models and default.skipped["bert"] == "no_such_pkg_x"
+    assert bench.resolve_args(parser.parse_args(["--models", "towers"])).skipped == {}
 
 
 @needs_transformers

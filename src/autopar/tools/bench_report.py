@@ -335,6 +335,7 @@ def meta(args, default_threads: int) -> dict[str, Any]:
         "intra_op_threads": default_threads,
         "load_average_1min_at_end": _load(),
         "models": list(args.models),
+        "skipped_models": dict(getattr(args, "skipped", None) or {}),
         "wait_quiet_s": getattr(args, "wait_quiet", 0.0),
         "optimizer": args.optimizer,
         "steps": args.steps,
