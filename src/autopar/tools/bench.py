@@ -63,13 +63,7 @@ import torch.nn as nn
 
 from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
 from autopar.tools.args import positive_int
-from autopar.tools.bench_models import (
-    BENCH_MODELS,
-    BenchModel,
-    default_models,
-    make_loss,
-    skipped_models,
-)
+from autopar.tools.bench_models import BENCH_MODELS, BenchModel, default_models, make_loss
 from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench's public names
     CSV_COLUMNS,
     _load,
@@ -78,6 +72,7 @@ from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench'
     format_summary,
     machine_state,
     meta,
+    skipped_note,
     tier_on,
     write_csv,
 )
@@ -289,8 +284,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_args(args) -> argparse.Namespace:
     """Fill the defaults that depend on ``--quick`` (models, steps, warm-up, settle steps)."""
     quick = getattr(args, "quick", False)
-    if getattr(args, "skipped", None) is None:  # models left out of the default list
-        args.skipped = skipped_models() if getattr(args, "models", None) is None else {}
+    if getattr(args, "skipped", None) is None:  # default models whose package is missing
+        args.skipped = {} if getattr(args, "models", None) is not None else {
+            n: m.requires for n, m in BENCH_MODELS.items() if not m.available}  # fmt: skip
     if getattr(args, "models", None) is None:
         args.models = (
             [m for m in QUICK["models"] if BENCH_MODELS[m].available]
@@ -567,9 +563,7 @@ def main(args) -> int:
         flush=True,
     )
     if args.skipped:  # a default run without the optional models must say so
-        needs = sorted(set(args.skipped.values()))
-        print(f"   NOTE: not run: {', '.join(args.skipped)} (they need {', '.join(needs)}; "
-              "pip install 'autopar[bench]' to include them).", flush=True)  # fmt: skip
+        print(skipped_note(args.skipped), flush=True)
     load = _load()
     if load is not None and load > 0.5 * (os.cpu_count() or 1):
         print(

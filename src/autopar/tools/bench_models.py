@@ -188,8 +188,3 @@ BENCH_MODELS: dict[str, BenchModel] = {
 def default_models() -> list[str]:
     """Every model whose requirements import here."""
     return [n for n, m in BENCH_MODELS.items() if m.available]
-
-
-def skipped_models() -> dict[str, str]:
-    """The models :func:`default_models` leaves out, each with the package it needs."""
-    return {n: m.requires for n, m in BENCH_MODELS.items() if not m.available}

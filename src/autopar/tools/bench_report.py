@@ -325,6 +325,13 @@ def describe_state(state: dict[str, Any] | None) -> str:
     )
 
 
+def skipped_note(skipped: dict[str, str]) -> str:
+    """The line that names the default models a run left out (``{name: package}``)."""
+    needs = ", ".join(sorted(set(skipped.values())))
+    return (f"   NOTE: not run: {', '.join(skipped)} (they need {needs}; "
+            "pip install 'autopar[bench]' to include them).")  # fmt: skip
+
+
 def meta(args, default_threads: int) -> dict[str, Any]:
     """The conditions of the run, stored next to the numbers."""
     return {
