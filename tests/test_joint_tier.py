@@ -220,3 +220,37 @@ def test_backend_autopar_races_the_joint_tier_over_whole_steps(joint_only):
     assert "joint" in ran and not pipe._racing
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+
+
+def _dynamo_graph(model, x):
+    got = []
+    torch._dynamo.reset()
+    torch.compile(model, backend=lambda gm, ex: got.append((gm, ex)) or gm.forward)(x)
+    return got[0]
+
+
+def test_the_joint_halves_run_through_direct_autograd_where_nothing_needs_aot(monkeypatch):
+    from autopar.codegen.joint import compile_joint
+
+    torch.manual_seed(0)
+    gm, args = _dynamo_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                             torch.randn(5, 8))  # fmt: skip
+    direct = compile_joint(gm, args, tag="g0")
+    monkeypatch.setenv("AUTOPAR_DIRECT_AUTOGRAD", "0")
+    aot = compile_joint(gm, args, tag="g0")
+    assert direct.autograd == "direct" and aot.autograd.startswith("AOTAutograd (switched off")
+    assert "autograd direct" in direct.program("forward").source
+    params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    runs = []
+    for prog in (direct, aot):
+        (out,) = prog.fn(*args)
+        runs.append((out, torch.autograd.grad(out.square().sum(), params)))
+    assert torch.equal(runs[0][0], runs[1][0])  # the same kernels run on both paths
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+
+
+def test_a_joint_graph_that_mutates_a_buffer_keeps_aot_autograd():
+    from autopar.codegen.joint import compile_joint
+
+    gm, args = _dynamo_graph(nn.BatchNorm1d(4), torch.randn(6, 4))
+    assert compile_joint(gm, args, tag="g0").autograd == "AOTAutograd (the graph mutates an input)"
