@@ -67,18 +67,7 @@ def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocas
     ``graph.runner`` already keeps its runner; ``graph.captured`` changes either way."""
     if isinstance(graph.captured, DirectGraph):
         return  # attached already
-    inputs = sum(1 for n in graph.gm.graph.nodes if n.op == "placeholder")
-    why = (
-        "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
-        else "traced under autocast" if autocast
-        else unsupported(meta, inputs)
-    )  # fmt: skip
-    runner = None
-    if why is None:
-        try:
-            runner = DirectGraph(meta, forward, backward, graph.captured)
-        except ValueError as exc:
-            why = str(exc)
+    runner, why = direct_runner(graph.gm, meta, forward, backward, graph.captured, autocast)
     with graph.lock:
         if runner is None:
             graph.autograd = f"AOTAutograd ({why})"
@@ -87,6 +76,25 @@ def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocas
             graph.runner = runner
         graph.captured = runner
         graph.autograd = "direct"
+
+
+def direct_runner(gm: Any, meta: Any, forward: Callable, backward: Callable, aot: Callable,
+                  autocast: bool) -> tuple[DirectGraph | None, str | None]:  # fmt: skip
+    """``(DirectGraph, None)`` for the Dynamo graph ``gm``'s compiled halves where nothing
+    needs AOTAutograd's wrapper, else ``(None, why)``. ``aot``: AOTAutograd's runner;
+    ``autocast``: whether the forward was traced under autocast."""
+    inputs = len(gm.graph.find_nodes(op="placeholder"))
+    why = (
+        "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
+        else "traced under autocast" if autocast
+        else unsupported(meta, inputs)
+    )  # fmt: skip
+    if why is not None:
+        return None, why
+    try:
+        return DirectGraph(meta, forward, backward, aot), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def unsupported(meta: Any, num_inputs: int) -> str | None:

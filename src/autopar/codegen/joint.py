@@ -151,20 +151,13 @@ def _direct(fn, gm: fx.GraphModule, halves: dict, meta: Any, autocast: bool):
     AOTAutograd's runner, for the calls it leaves to it) where AOTAutograd's runtime wrapper
     has nothing to do, else ``fn`` itself. On the 4-tower MLP that wrapper cost 2.6-4.6% of
     a training step (direct_autograd's docstring), about joint's gap to ``torch.compile``."""
-    from autopar.capture.direct_autograd import DirectGraph, enabled, unsupported
+    from autopar.capture.direct_autograd import direct_runner
 
-    inputs = len(gm.graph.find_nodes(op="placeholder"))
-    why = (
-        "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
-        else "no compiled backward" if set(halves) != {"forward", "backward"}
-        else "traced under autocast" if autocast
-        else unsupported(meta, inputs)
-    )  # fmt: skip
-    if why is None:
-        try:
-            return DirectGraph(meta, halves["forward"], halves["backward"], fn), "direct"
-        except ValueError as exc:
-            why = str(exc)
+    if set(halves) != {"forward", "backward"}:
+        return fn, "AOTAutograd (no compiled backward)"
+    runner, why = direct_runner(gm, meta, halves["forward"], halves["backward"], fn, autocast)
+    if runner is not None:
+        return runner, "direct"
     return fn, f"AOTAutograd ({why})"
 
 
