@@ -254,3 +254,27 @@ def test_a_joint_graph_that_mutates_a_buffer_keeps_aot_autograd():
 
     gm, args = _dynamo_graph(nn.BatchNorm1d(4), torch.randn(6, 4))
     assert compile_joint(gm, args, tag="g0").autograd == "AOTAutograd (the graph mutates an input)"
+
+
+def test_a_model_trained_under_autocast_keeps_its_casts_on_the_joint_executor(always_land):
+    """The joint tier compiles at a later call of the Dynamo graph than its trace; Dynamo
+    guards on the autocast state, so that call runs under the trace's state and the casts
+    are compiled in. Trained under CPU autocast beside eager, the joint executor's outputs
+    stay bfloat16 and its gradients follow eager's; it runs through AOTAutograd's wrapper,
+    which turns autocast off around the compiled halves."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
+    eager = copy.deepcopy(model)
+    cm = autopar.compile(model, inductor=True, background=False, race=False,
+                         store=ProfileStore.memory())  # fmt: skip
+    for step in range(4):  # the first compiles, the second measures and lands joint
+        for m in (eager, cm):
+            m.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = m(x)
+                assert y.dtype == torch.bfloat16, (step, m is cm)
+            y.float().square().mean().backward()
+        for pe, pc in zip(eager.parameters(), cm.parameters(), strict=True):
+            torch.testing.assert_close(pc.grad, pe.grad, rtol=1.6e-2, atol=1e-2)
+    assert {u.executor for u in autopar.graphs(cm)} == {"joint"}
+    assert "AOTAutograd (traced under autocast)" in str(autopar.explain(cm))
