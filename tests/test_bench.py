@@ -189,3 +189,28 @@ def test_blocks_time_all_but_the_first_step_of_each(tmp_path, monkeypatch):
     runs = [names[i : i + 3] for i in range(0, len(names), 3)]
     assert all(len(set(r)) == 1 for r in runs)  # a block is one contender's
     assert all(row["timed_steps"] == 4 for row in res["contenders"].values())
+
+
+def test_bench_processes_summarizes_runs_from_their_json():
+    """benchmarks/bench_processes.py: each fresh process's ratio, then the median across
+    them (the JSON shape is what ``autopar bench --out`` writes)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_processes.py"
+    spec = importlib.util.spec_from_file_location("bench_processes", path)
+    bp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bp)
+
+    def result(eager, tc, ap, verdict):
+        cs = {n: {"median_step_ms": v, "error": None}
+              for n, v in (("eager", eager), ("torch.compile", tc), ("autopar", ap))}  # fmt: skip
+        return {"model": "towers", "contenders": cs,
+                "autopar": {"race": [{"verdict": verdict}]}}  # fmt: skip
+
+    runs = [[result(4.0, 4.4, 3.2, "compiled")], [result(6.0, 6.6, 4.0, "compiled")],
+            [result(4.0, 3.9, 3.9, "eager")]]  # fmt: skip
+    text = bp.summarize(runs)
+    assert "== towers: 3 processes" in text
+    assert "1.25x  compiled" in text and "1.50x  compiled" in text and "1.00x  eager" in text
+    assert "median autopar/best 1.25x (range 1.00-1.50x)" in text
