@@ -67,34 +67,34 @@ def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocas
     ``graph.runner`` already keeps its runner; ``graph.captured`` changes either way."""
     if isinstance(graph.captured, DirectGraph):
         return  # attached already
-    runner, why = direct_runner(graph.gm, meta, forward, backward, graph.captured, autocast)
+    runner, label = direct_runner(graph.gm, meta, forward, backward, graph.captured, autocast)
     with graph.lock:
+        graph.autograd = label
         if runner is None:
-            graph.autograd = f"AOTAutograd ({why})"
             return
         if graph.runner is graph.captured:
             graph.runner = runner
         graph.captured = runner
-        graph.autograd = "direct"
 
 
 def direct_runner(gm: Any, meta: Any, forward: Callable, backward: Callable, aot: Callable,
-                  autocast: bool) -> tuple[DirectGraph | None, str | None]:  # fmt: skip
-    """``(DirectGraph, None)`` for the Dynamo graph ``gm``'s compiled halves where nothing
-    needs AOTAutograd's wrapper, else ``(None, why)``. ``aot``: AOTAutograd's runner;
-    ``autocast``: whether the forward was traced under autocast."""
+                  autocast: bool) -> tuple[DirectGraph | None, str]:  # fmt: skip
+    """``(DirectGraph, "direct")`` for the Dynamo graph ``gm``'s compiled halves where
+    nothing needs AOTAutograd's wrapper, else ``(None, "AOTAutograd (<why>)")``: the label
+    ``autopar.explain`` shows. ``aot``: AOTAutograd's runner; ``autocast``: whether the
+    forward was traced under autocast."""
     inputs = len(gm.graph.find_nodes(op="placeholder"))
     why = (
         "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
         else "traced under autocast" if autocast
         else unsupported(meta, inputs)
     )  # fmt: skip
-    if why is not None:
-        return None, why
-    try:
-        return DirectGraph(meta, forward, backward, aot), None
-    except ValueError as exc:
-        return None, str(exc)
+    if why is None:
+        try:
+            return DirectGraph(meta, forward, backward, aot), "direct"
+        except ValueError as exc:
+            why = str(exc)
+    return None, f"AOTAutograd ({why})"
 
 
 def unsupported(meta: Any, num_inputs: int) -> str | None:

@@ -155,10 +155,8 @@ def _direct(fn, gm: fx.GraphModule, halves: dict, meta: Any, autocast: bool):
 
     if set(halves) != {"forward", "backward"}:
         return fn, "AOTAutograd (no compiled backward)"
-    runner, why = direct_runner(gm, meta, halves["forward"], halves["backward"], fn, autocast)
-    if runner is not None:
-        return runner, "direct"
-    return fn, f"AOTAutograd ({why})"
+    runner, label = direct_runner(gm, meta, halves["forward"], halves["backward"], fn, autocast)
+    return runner or fn, label
 
 
 def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str,
