@@ -6,6 +6,20 @@ import torch
 import torch.nn as nn
 
 
+def dynamo_graph(model, *inputs):
+    """The Dynamo FX graph of ``model`` called on ``inputs``, untouched, and its example
+    inputs (static shapes), as a backend receives them."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"], seen["args"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()  # many models share one forward's code: no recompile limit
+    torch.compile(model, backend=backend, dynamic=False)(*inputs)
+    return seen["gm"], seen["args"]
+
+
 class BranchyNet(nn.Module):
     """Two branches (one with BatchNorm and dropout, so its graphs write buffers and draw
     random numbers) summed into a head."""

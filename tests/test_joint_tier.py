@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from nets import BranchyNet, compile_and_land, race_side_by_side, train_side_by_side
+from nets import BranchyNet, compile_and_land, dynamo_graph, race_side_by_side, train_side_by_side
 from oracle import check_training
 
 import autopar
@@ -143,15 +143,7 @@ def test_the_warm_up_job_keeps_what_aot_autograd_reads():
     """Pickling a Dynamo graph drops its sources and static-input marks, and stand-ins lose
     ``requires_grad``: both are recorded and put back, or the warm-up would partition (and
     cache) another joint graph than the training process compiles."""
-    seen = {}
-
-    def backend(gm, example_inputs):
-        seen["gm"], seen["args"] = gm, list(example_inputs)
-        return gm.forward
-
-    model = nn.Linear(3, 2)
-    torch.compile(model, backend=backend, dynamic=False)(torch.randn(4, 3))
-    gm, args = seen["gm"], seen["args"]
+    gm, args = dynamo_graph(nn.Linear(3, 2), torch.randn(4, 3))
     kinds = roles(args)
     assert sorted(k for k in kinds if k) == ["param", "param"]
     back = with_roles([torch.zeros(a.shape) for a in args], kinds)
@@ -222,18 +214,11 @@ def test_backend_autopar_races_the_joint_tier_over_whole_steps(joint_only):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
 
 
-def _dynamo_graph(model, x):
-    got = []
-    torch._dynamo.reset()
-    torch.compile(model, backend=lambda gm, ex: got.append((gm, ex)) or gm.forward)(x)
-    return got[0]
-
-
 def test_the_joint_halves_run_through_direct_autograd_where_nothing_needs_aot(monkeypatch):
     from autopar.codegen.joint import compile_joint
 
     torch.manual_seed(0)
-    gm, args = _dynamo_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+    gm, args = dynamo_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
                              torch.randn(5, 8))  # fmt: skip
     direct = compile_joint(gm, args, tag="g0")
     monkeypatch.setenv("AUTOPAR_DIRECT_AUTOGRAD", "0")
@@ -252,7 +237,7 @@ def test_the_joint_halves_run_through_direct_autograd_where_nothing_needs_aot(mo
 def test_a_joint_graph_that_mutates_a_buffer_keeps_aot_autograd():
     from autopar.codegen.joint import compile_joint
 
-    gm, args = _dynamo_graph(nn.BatchNorm1d(4), torch.randn(6, 4))
+    gm, args = dynamo_graph(nn.BatchNorm1d(4), torch.randn(6, 4))
     assert compile_joint(gm, args, tag="g0").autograd == "AOTAutograd (the graph mutates an input)"
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from nets import BranchyNet, compile_and_land, race_side_by_side
+from nets import BranchyNet, compile_and_land, dynamo_graph, race_side_by_side
 from oracle import check_training
 
 import autopar
@@ -50,18 +50,6 @@ class Lambda(nn.Module):
         return self.fn(self.lin(x))
 
 
-def _dynamo_graph(model, *inputs):
-    seen = {}
-
-    def backend(gm, example_inputs):
-        seen["gm"], seen["args"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()  # many models share one forward's code: no recompile limit
-    torch.compile(model, backend=backend, dynamic=False)(*inputs)
-    return seen["gm"], seen["args"]
-
-
 @pytest.mark.parametrize("make, shape", [
     (lambda: zoo.MLP(8, 16, 4), (6, 8)),
     (ConvBranches, (4, 3, 6, 6)),
@@ -70,7 +58,7 @@ def _dynamo_graph(model, *inputs):
     (lambda: Lambda(lambda y: torch.stack([y, y.tanh()], dim=1)), (4, 8)),
 ])  # fmt: skip
 def test_row_wise_graphs_may_be_split(make, shape):
-    gm, args = _dynamo_graph(make(), torch.randn(shape))
+    gm, args = dynamo_graph(make(), torch.randn(shape))
     rng = torch.get_rng_state()
     assert split_reason(gm, args) is None
     assert torch.equal(rng, torch.get_rng_state())  # the analysis traces on fake tensors
@@ -86,15 +74,15 @@ def test_row_wise_graphs_may_be_split(make, shape):
 ])  # fmt: skip
 def test_graphs_that_mix_rows_or_draw_random_numbers_are_not_split(fn, why):
     model = Lambda(fn).train()
-    gm, args = _dynamo_graph(model, torch.randn(6, 8))
+    gm, args = dynamo_graph(model, torch.randn(6, 8))
     reason = split_reason(gm, args)
     assert reason is not None and (why in reason or "in place" in reason), reason
 
 
 def test_only_even_batches_of_outside_inputs_are_split():
-    gm, args = _dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(5, 8))
+    gm, args = dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(5, 8))
     assert "batch of 5" in batched_inputs(gm, args)
-    gm, args = _dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(6, 8))
+    gm, args = dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(6, 8))
     picked, batch = batched_inputs(gm, args)
     assert batch == 6 and [tuple(args[i].shape) for i in picked] == [(6, 8)]
 
@@ -107,7 +95,7 @@ def test_the_runner_equals_the_whole_batch_and_sums_parameter_gradients_once():
     model = ConvBranches().double()
     twin = copy.deepcopy(model)
     x = torch.randn(6, 3, 5, 5, dtype=torch.float64, requires_grad=True)
-    gm, args = _dynamo_graph(model, x)
+    gm, args = dynamo_graph(model, x)
     picked, batch = batched_inputs(gm, args)
     runner = SplitRunner(gm.forward, picked, batch)
     hooked = []
@@ -127,7 +115,7 @@ def test_the_runner_equals_the_whole_batch_and_sums_parameter_gradients_once():
 
 
 def test_a_second_backward_through_split_outputs_says_what_to_do():
-    gm, args = _dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(4, 8))
+    gm, args = dynamo_graph(zoo.MLP(8, 16, 4), torch.randn(4, 8))
     picked, batch = batched_inputs(gm, args)
     (out,) = SplitRunner(gm.forward, picked, batch)(*args)
     loss = out.sum()
@@ -212,7 +200,7 @@ def test_property_the_analysis_splits_exactly_the_row_wise_chains():
         torch.manual_seed(seed)
         model = _Random(picks).double()
         x = torch.randn(8, 8, dtype=torch.float64)
-        gm, args = _dynamo_graph(model, x)
+        gm, args = dynamo_graph(model, x)
         reason = split_reason(gm, args)
         assert (reason is None) == all(k < len(_ROW_WISE) for k in picks), (picks, reason)
         if reason is not None:
