@@ -90,7 +90,7 @@ def measure(name: str, rounds: int, calls: int, store: str, max_steps: int) -> N
     limits = SimpleNamespace(wait_timeout=600.0, settle_steps=max_steps,
                              settle_s=DEFAULTS["settle_s"])  # fmt: skip
     settle_steps = autopar_settle(contender, step, limits)["settle_steps"]
-    inner, orig = cmodel._autopar_compiled, cmodel._orig_mod
+    inner, orig = cmodel._autopar_compiled, cmodel._orig_mod  # CachedFrameCall
     fns: dict[str, Callable[[], object]] = {
         "torch.compile": lambda: tc(*inputs),
         "tc + autopar's Dynamo settings": lambda: tc_settings(*inputs),
