@@ -32,7 +32,8 @@ class Explanation:
     compile_seconds: float | None = None  # the first call: capture + profile + plan
     graph_breaks: int = 0  # Dynamo graphs - 1 (each break splits the model's code)
     # Dynamo graph tag -> what runs its autograd.Function: "direct" (autopar's own,
-    # ``capture.direct_autograd``) or "AOTAutograd (<why>)" (AOTAutograd's runtime wrapper).
+    # ``capture.direct_autograd``), "direct, native" (its two native programs as one C++
+    # autograd function: ``runtime.native_direct``) or "AOTAutograd (<why>)".
     autograd: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -53,7 +54,9 @@ class Explanation:
         for tag, how in self.autograd.items():
             lines.append(f"# {tag}: autograd " + (
                 "direct (autopar's autograd.Function; AOTAutograd's runtime wrapper skipped)"
-                if how == "direct" else f"through {how}"))  # fmt: skip
+                if how == "direct" else
+                "direct, native (both native programs as one C++ autograd function)"
+                if how == "direct, native" else f"through {how}"))  # fmt: skip
         for u in self.graphs:
             plan = u.plan
             what = (
@@ -98,5 +101,6 @@ def explanation(pipeline) -> Explanation:
         tiers=tuple(pipeline.tiers.events) if pipeline.tiers is not None else (),
         compile_seconds=pipeline.compile_seconds,
         graph_breaks=max(0, len(groups) - 1),
-        autograd={g.tag: g.autograd for g in pipeline.capture.dynamo_graphs},
+        autograd={g.tag: g.autograd + (", native" if getattr(g.runner, "native", None) else "")
+                  for g in pipeline.capture.dynamo_graphs},  # fmt: skip
     )

@@ -31,8 +31,10 @@ from autopar.adapt.shapes import (
     register_cache_size,
 )
 from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
+from autopar.codegen.emit import Boxed
 from autopar.errors import traced_user_error, warn_fallback
 from autopar.logs import CompileProgress
+from autopar.runtime.native_direct import NativePaths
 from autopar.runtime.planned import KeptPlans, native_on
 from autopar.runtime.race import StepRace
 from autopar.runtime.tiers import Tiers, tier_kinds
@@ -87,6 +89,7 @@ class Pipeline:
         self.variant: str | None = None  # the race's contender this step, beyond "compiled"
         self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
         self.kept = KeptPlans()  # planned programs a tier replaced: the race's "plan" steps
+        self.native_paths = NativePaths()  # graphs whose two native programs run from C++
 
     def _has_rnn(self, model: nn.Module) -> bool:
         """Whether ``model`` holds an RNN module to rewrite; looked up once (walking every
@@ -136,7 +139,11 @@ class Pipeline:
         if key not in self.monitor.cache.entries:  # a new input signature: it compiles
             self._next = (t0, self._why(key, first))
         self._last_key = key
+        self.native_paths.drain(self.monitor.observed)  # the last step's, before it ends
         self.monitor.begin_step(key, lambda: describe_key(key))
+        settled = self.variant is None and (self.tiers is None or not self.tiers.pending())
+        self.native_paths.refresh(self.capture.dynamo_graphs, self.capture.group,
+                                  settled, self.monitor.quiet)  # fmt: skip
         self._call = t0
         try:
             with self._dynamo_settings():
@@ -292,8 +299,7 @@ class Pipeline:
             fn = record.gm.forward
             return out, (lambda a: fn(*a))
         record.advance("choose", plan=plan, program=program, executor="plan")
-        fn = program.fn
-        record.runner = lambda a: fn(*a)
+        record.runner = Boxed(program)
         if self.tiers is not None:
             self.tiers.start(record, args)  # background=False: compiles and measures now
         self.monitor.compiled(record, time.perf_counter() - t0)

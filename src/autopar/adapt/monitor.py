@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from autopar.adapt.shapes import PlanCache
+from autopar.codegen.emit import Boxed
 
 log = logging.getLogger("autopar")
 
@@ -209,8 +210,7 @@ class Monitor:
                 return
             old = record.plan
             record.advance("replan", note=event, table=table, plan=plan, program=program)
-            fn = program.fn
-            record.runner = lambda a: fn(*a)
+            record.runner = Boxed(program)
             old_pred = old.predicted_step_time if old is not None else float("nan")
             if old is not None and abs(plan.predicted_step_time - old_pred) <= 0.1 * old_pred:
                 st.baseline = None  # drift not explained by operator costs: re-baseline
@@ -273,6 +273,21 @@ class Monitor:
             dt = time.perf_counter() - t0
         self._observe(record, st, dt, segs)
         return out
+
+    def observed(self, record, seconds: list[float]) -> None:
+        """Calls that ran without :meth:`on_call` (``runtime.native_direct``: the programs
+        timed themselves), as if they had: counted, timed, and drift checked."""
+        for dt in seconds:
+            record.calls += 1
+            if self.enabled:
+                every = self.options.sample_every
+                sampled = every and record.calls % every == 0
+                self._observe(record, self.state(record), dt, {0: dt} if sampled else None)
+
+    def quiet(self, record) -> bool:
+        """Nothing for :meth:`on_call` to do at ``record``'s next call (no re-profile due)."""
+        st = self._states.get(id(record))
+        return not self.enabled or st is None or (st.reason is None and not st.busy)
 
     def _timed_call(self, record, st, args):
         """Run once with every stream function timed (``runtime.streams.stream_timings``);
@@ -471,6 +486,9 @@ def _monitor(cmodel) -> Monitor:
     pipe = getattr(cmodel, "_autopar_pipeline", None)
     if pipe is None:
         raise TypeError(f"expected the result of autopar.compile, got {type(cmodel).__name__}")
+    paths = getattr(pipe, "native_paths", None)
+    if paths is not None:  # the native programs' own times of the last step
+        paths.drain(pipe.monitor.observed)
     return pipe.monitor
 
 

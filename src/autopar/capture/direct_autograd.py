@@ -154,7 +154,13 @@ class DirectGraph:
         self.layouts = [m.memory_format for m in meta.subclass_tangent_meta]
         if len(self.layouts) != len(self.grad_outputs):
             raise ValueError("tangent layouts do not match the outputs that take gradients")
+        # every incoming gradient is expected contiguous: Tensor.contiguous() coerces it
+        self.plain = all(_is_contiguous_layout(x) for x in self.layouts)
         self.function = _function_for(self)
+        # ``native(args) -> outputs``: the same two programs as one C++ autograd function,
+        # set by the runtime while both halves run native programs and nothing needs their
+        # Python calls (``autopar.runtime.native_direct``); None: ``function`` runs.
+        self.native: Callable[[tuple], list] | None = None
 
     def __call__(self, *args: Any) -> list:
         if (torch._C._is_any_autocast_enabled() or _compiled_autograd()
@@ -163,6 +169,9 @@ class DirectGraph:
             # graph, whose casts are traced in; Dynamo guards on the autocast state, so such
             # a graph is always called under autocast); this one does not.
             return self.aot(*args)
+        native = self.native
+        if native is not None:
+            return native(args)
         outs = self.function.apply(*args)
         return [outs] if self.num_outputs == 1 else list(outs)
 
@@ -179,7 +188,7 @@ def _function_for(graph: DirectGraph) -> type[torch.autograd.Function]:
     backward: the compiled backward on the saved tensors and the coerced gradients."""
     fw, bw, n = graph.forward, graph.backward, graph.num_outputs
     no_grad, grad_at, layouts = graph.no_grad_outputs, graph.grad_outputs, graph.layouts
-    plain = all(_is_contiguous_layout(x) for x in layouts)
+    plain = graph.plain
 
     class DirectFunction(torch.autograd.Function):
         @staticmethod

@@ -65,6 +65,8 @@ class Program:
     streams_used: tuple[int, ...] = ()
     node_at_line: dict[int, str] = field(default_factory=dict)
     executor: str = ""  # "native" for the native interpreter's programs (who made it)
+    # the native interpreter's program object that ``fn`` runs (``PROGRAM`` in the source)
+    interpreter: Any = None
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
@@ -74,6 +76,20 @@ class Program:
         with open(path, "w") as f:
             f.write(self.source)
         return path
+
+
+class Boxed:
+    """A graph record's runner for ``program``: ``runner(args)`` (one list, as AOTAutograd
+    calls a graph) returns ``program.fn(*args)``; ``runner.program`` says what runs (the
+    native direct path reads it: ``autopar.runtime.native_direct``)."""
+
+    __slots__ = ("fn", "program")
+
+    def __init__(self, program: Any):
+        self.program, self.fn = program, program.fn
+
+    def __call__(self, args: list) -> Any:
+        return self.fn(*args)
 
 
 # -- formatting -------------------------------------------------------------------------------

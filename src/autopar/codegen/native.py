@@ -347,5 +347,5 @@ def generate_native(
     load_source(source, filename, namespace)
     return Program(
         source, namespace["forward"], plan, tag, filename, tuple(low.notes), low.stream_ids,
-        executor="native",
+        executor="native", interpreter=namespace["PROGRAM"],
     )

@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.codegen.emit import Boxed
 from autopar.codegen.inductor import compile_inductor, input_meta, stand_ins, start_warmup
 from autopar.codegen.warmup import warmup_error
 from autopar.runtime.joint_tier import (
@@ -565,8 +566,7 @@ class Tiers:
             cand = next(c for c in tier.candidates if c.name == name)
             plan = {"plan": prog.plan} if getattr(prog, "plan", None) is not None else {}
             with record.lock:
-                fn = prog.fn
-                record.runner = lambda a: fn(*a)
+                record.runner = Boxed(prog)
                 record.advance("tier", waited, f"{verdict}: {name} landed", program=prog,
                                executor=cand.executor or name, measured=measured,
                                **plan)  # fmt: skip

@@ -40,10 +40,12 @@
 #include <omp.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -94,19 +96,41 @@ class Program {
   int n_streams() const { return static_cast<int>(streams_.size()); }
   int last_threads() const { return last_threads_; }
 
+  int n_inputs() const { return static_cast<int>(inputs_.size()); }
+  int n_outputs() const { return static_cast<int>(outputs_.size()); }
+
+  // From Python: the inputs as Python objects, the outputs as a list (None for none).
   py::list run(py::args args) {
     if (static_cast<size_t>(py::len(args)) != inputs_.size())
       throw std::runtime_error("native program: expected " + std::to_string(inputs_.size()) +
                                " inputs, got " + std::to_string(py::len(args)));
-    std::vector<c10::IValue> slots(n_slots_);
+    std::vector<c10::IValue> ins(inputs_.size());
     for (size_t i = 0; i < inputs_.size(); ++i) {
       PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
       if (THPVariable_Check(a)) {
-        slots[inputs_[i]] = THPVariable_Unpack(a);
+        ins[i] = THPVariable_Unpack(a);
       } else if (a != Py_None) {
-        slots[inputs_[i]] = torch::jit::toIValue(py::handle(a), c10::AnyType::get());
+        ins[i] = torch::jit::toIValue(py::handle(a), c10::AnyType::get());
       }
     }
+    std::vector<c10::IValue> outs;
+    {
+      py::gil_scoped_release no_gil;
+      outs = run_values(std::move(ins));
+    }
+    py::list out;
+    for (auto& v : outs) out.append(v.isNone() ? py::none() : torch::jit::toPyObject(v));
+    return out;
+  }
+
+  // The program on values (None for none); called without the GIL (run() releases it, the
+  // autograd engine runs DirectFunction's backward without it).
+  std::vector<c10::IValue> run_values(std::vector<c10::IValue> ins) {
+    if (ins.size() != inputs_.size())
+      throw std::runtime_error("native program: expected " + std::to_string(inputs_.size()) +
+                               " inputs, got " + std::to_string(ins.size()));
+    std::vector<c10::IValue> slots(n_slots_);
+    for (size_t i = 0; i < inputs_.size(); ++i) slots[inputs_[i]] = std::move(ins[i]);
     // One atomic flag per event and the abort flag; padded apart (false sharing between the
     // two spinning cores would slow every wait).
     struct alignas(64) Flag { std::atomic<int> v{0}; };
@@ -158,7 +182,6 @@ class Program {
     at::ThreadLocalState tls;  // the caller's: grad mode, dispatch keys, autocast, ...
     int threads = 1;
     {
-      py::gil_scoped_release no_gil;
       const int n = n_streams();
       if (n == 1) {
         run_stream(0);
@@ -208,8 +231,23 @@ class Program {
     }
     last_threads_ = threads;
     if (!error.empty()) throw std::runtime_error(error);
-    py::list out;
-    for (int o : outputs_) out.append(o < 0 ? py::none() : torch::jit::toPyObject(slots[o]));
+    std::vector<c10::IValue> out;
+    out.reserve(outputs_.size());
+    for (int o : outputs_) out.push_back(o < 0 ? c10::IValue() : slots[o]);
+    return out;
+  }
+
+  // Seconds of the calls made through DirectFunction (Python's monitor times its own calls),
+  // kept until taken (at most kMaxTimes: a monitor that never takes them loses the oldest).
+  void note_seconds(double s) {
+    std::lock_guard<std::mutex> g(times_mu_);
+    if (times_.size() >= kMaxTimes) times_.erase(times_.begin());
+    times_.push_back(s);
+  }
+  std::vector<double> take_seconds() {
+    std::lock_guard<std::mutex> g(times_mu_);
+    std::vector<double> out;
+    out.swap(times_);
     return out;
   }
 
@@ -328,17 +366,149 @@ class Program {
   std::vector<std::pair<int, int>> serial_;
   std::vector<std::vector<Instr>> streams_;
   int last_threads_ = 0;
+  static constexpr size_t kMaxTimes = 4096;
+  std::mutex times_mu_;
+  std::vector<double> times_;
 };
+
+// -- DirectFunction: a training graph's two native programs as one C++ autograd function ----
+//
+// What autopar.capture.direct_autograd's Python autograd.Function does, without Python
+// between the programs and autograd: the forward program's outputs past the user's are
+// saved for the backward (views detached first, so an in-place change of their base raises
+// autograd's version error), and the backward program gets the saved tensors and the
+// contiguous gradients of the outputs that take part in it. (A graph with an output that
+// needs no gradient keeps the Python function: compiled autograd cannot take a C++
+// function that marks one non-differentiable.) Compiled autograd calls it as it is. Saved tensors are freed after the backward unless retain_graph (the
+// engine's release_variables). Under create_graph=True the results are connected to the
+// graph through NoDoubleBackward, whose backward raises AOTAutograd's double-backward error.
+// Python creates no tensor object for the saved tensors or the gradients it does not see:
+// on the 2-core box that saved 100-130 us of a 2.5 ms towers step (2026-12-07).
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// A backward program is named in a node's saved data by its address, an integer that
+// compiled autograd can hash (it collects every node's saved data into its cache key). The
+// programs a node may run stay alive here for the process: a node outlives the model that
+// made it when the user keeps an output, and a program is a few kilobytes, made once per
+// plan (re-plans are bounded by AdaptOptions.max_replans).
+std::mutex g_programs_mu;
+std::unordered_map<Program*, std::shared_ptr<Program>> g_programs;
+
+int64_t program_id(const std::shared_ptr<Program>& p) {
+  std::lock_guard<std::mutex> g(g_programs_mu);
+  g_programs.emplace(p.get(), p);
+  return reinterpret_cast<int64_t>(p.get());
+}
+
+std::shared_ptr<Program> program_of(int64_t id) {
+  std::lock_guard<std::mutex> g(g_programs_mu);
+  return g_programs.at(reinterpret_cast<Program*>(id));
+}
+
+const char* const kDoubleBackward =
+    "torch.compile with aot_autograd does not currently support double backward (autopar: a "
+    "compiled graph's backward cannot be differentiated again; run that part eagerly)";
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+at::Tensor as_tensor(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
+
+// The backward program's gradients that are tensors (a function's outputs must be defined;
+// the caller puts the Nones back by `defined`, which it reads after the call).
+struct NoDoubleBackward : public torch::autograd::Function<NoDoubleBackward> {
+  static constexpr bool is_traceable = false;  // compiled autograd calls it as it is
+  static variable_list forward(AutogradContext*, at::Tensor anchor,
+                               std::shared_ptr<Program> bw, std::vector<c10::IValue> ins,
+                               std::vector<bool>* defined) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto outs = bw->run_values(std::move(ins));
+    bw->note_seconds(seconds_since(t0));
+    variable_list res;
+    for (auto& v : outs) {
+      defined->push_back(v.isTensor() && v.toTensor().defined());
+      if (defined->back()) res.push_back(v.toTensor());
+    }
+    return res;
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, kDoubleBackward);
+  }
+};
+
+struct DirectFunction : public torch::autograd::Function<DirectFunction> {
+  static constexpr bool is_traceable = false;  // compiled autograd calls it as it is
+  static variable_list forward(AutogradContext* ctx, at::TensorList inputs,
+                               std::shared_ptr<Program> fw, std::shared_ptr<Program> bw,
+                               int64_t n_out, std::vector<int64_t> grad_at) {
+    std::vector<c10::IValue> ins(inputs.begin(), inputs.end());
+    auto t0 = std::chrono::steady_clock::now();
+    auto outs = fw->run_values(std::move(ins));
+    fw->note_seconds(seconds_since(t0));
+    variable_list user, saved;
+    for (int64_t i = 0; i < n_out; ++i) user.push_back(outs[i].toTensor());
+    for (size_t i = n_out; i < outs.size(); ++i) {
+      auto t = outs[i].toTensor();
+      saved.push_back(t.is_view() ? t.detach() : t);
+    }
+    ctx->save_for_backward(std::move(saved));
+    ctx->saved_data["bw"] = program_id(bw);
+    ctx->saved_data["grad_at"] = c10::IValue(grad_at);
+    ctx->saved_data["n_in"] = static_cast<int64_t>(inputs.size());
+    return user;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto bw = program_of(ctx->saved_data["bw"].toInt());
+    auto saved = ctx->get_saved_variables();  // raises autograd's error after an in-place change
+    std::vector<c10::IValue> ins(saved.begin(), saved.end());
+    for (auto i : ctx->saved_data["grad_at"].toIntVector())
+      ins.emplace_back(grads[i].defined() ? c10::IValue(grads[i].contiguous()) : c10::IValue());
+    variable_list res;
+    if (at::GradMode::is_enabled()) {  // create_graph=True
+      auto anchor = at::empty({0}).set_requires_grad(true);
+      std::vector<bool> defined;
+      auto got = NoDoubleBackward::apply(anchor, bw, std::move(ins), &defined);
+      size_t k = 0;
+      for (bool d : defined) res.push_back(d ? got[k++] : at::Tensor());
+    } else {
+      auto t0 = std::chrono::steady_clock::now();
+      auto outs = bw->run_values(std::move(ins));
+      bw->note_seconds(seconds_since(t0));
+      for (auto& v : outs) res.push_back(as_tensor(v));
+    }
+    res.resize(ctx->saved_data["n_in"].toInt());
+    res.resize(res.size() + 4);  // fw, bw, n_out, grad_at: no gradients
+    return res;
+  }
+};
+
+// DirectFunction.apply from Python: the user outputs of the forward program (a list).
+variable_list direct_apply(std::vector<at::Tensor> inputs, std::shared_ptr<Program> fw,
+                           std::shared_ptr<Program> bw, int64_t n_out,
+                           std::vector<int64_t> grad_at) {
+  py::gil_scoped_release no_gil;
+  return DirectFunction::apply(at::TensorList(inputs), std::move(fw), std::move(bw), n_out,
+                               std::move(grad_at));
+}
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "autopar's native stream interpreter (see interp.cpp's header)";
-  py::class_<Program>(m, "Program")
+  py::class_<Program, std::shared_ptr<Program>>(m, "Program")
       .def(py::init<py::list, int, int, std::vector<int>, std::vector<int>,
                     std::vector<std::pair<int, int>>>())
       .def("run", &Program::run)
+      .def("take_seconds", &Program::take_seconds)
       .def_property_readonly("n_streams", &Program::n_streams)
+      .def_property_readonly("n_inputs", &Program::n_inputs)
+      .def_property_readonly("n_outputs", &Program::n_outputs)
       .def_property_readonly("last_threads", &Program::last_threads);
+  m.def("direct_apply", &direct_apply,
+        "A training graph's forward and backward native programs as one C++ autograd "
+        "function: the forward's user outputs (see DirectFunction in interp.cpp)");
   m.def("max_threads", []() { return omp_get_max_threads(); });
 }
