@@ -51,6 +51,8 @@ import types
 from typing import Any
 
 import torch
+import torch._dynamo
+import torch.fx
 
 try:  # torch 2.13's private cache-entry API; without it every call takes Dynamo's path
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as _entries
@@ -148,17 +150,24 @@ def _unsupported(model: torch.nn.Module, forward: Any, ctx: Any, region: int) ->
 
 def _plain_call(model: torch.nn.Module) -> bool:
     """Whether Dynamo's path would do nothing but look up the cache: checked per call, as
-    any of these can change between two calls."""
-    from torch._dynamo import config, eval_frame
-
+    any of these can change between two calls. (Module attributes, read at call time;
+    Python code right after large kernels runs cold, so this reads as little as it can.)"""
     return not (
         model._forward_hooks or model._forward_pre_hooks or model._backward_hooks
-        or model._backward_pre_hooks or torch.nn.modules.module._has_any_global_hook()
-        or eval_frame._stance.stance != "default" or config.disable
-        or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
-        or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
-        or torch.autograd.profiler._is_profiler_enabled
+        or model._backward_pre_hooks or _module_hooks._has_any_global_hook()
+        or _eval_frame._stance.stance != "default" or _dynamo_config.disable
+        or _is_compiling() or _tracing_state() is not None or _fx_tracing()
+        or _profiler._is_profiler_enabled
     )  # fmt: skip
+
+
+_module_hooks = torch.nn.modules.module
+_eval_frame = torch._dynamo.eval_frame
+_dynamo_config = torch._dynamo.config
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+_fx_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
+_profiler = torch.autograd.profiler
 
 
 class _Binder:
