@@ -213,3 +213,19 @@ def test_explain_says_the_native_path_runs():
     cm = _warm(_compile(model), (x,))
     assert autopar.explain(cm).autograd == {"g0": "direct, native"}
     assert "autograd direct, native (both native programs" in str(autopar.explain(cm))
+
+
+def test_a_plan_verdict_with_nothing_kept_keeps_the_native_path(monkeypatch):
+    """The race's "plan" verdict puts the kept planned programs back as the records'
+    runners; its steps (variant "plan") then run exactly those: the native path stays.
+    While programs are kept (the race still running), it does not."""
+    model, (x,) = zoo.build("mlp")
+    cm = _warm(_compile(model), (x,))
+    pipe = cm._autopar_pipeline
+    monkeypatch.setattr(pipe, "_choose_path", lambda key, t0, paused: ("compiled", "plan"))
+    cm(x).sum().backward()
+    assert not pipe.kept and _direct(cm).native is not None
+    fw = next(r for r in pipe.capture.graphs() if r.tag == "g0.fw")
+    pipe.kept.keep(fw, fw.runner, fw.unit, pipe.key)  # a tier replaced it: racing again
+    cm(x).sum().backward()
+    assert _direct(cm).native is None

@@ -141,7 +141,9 @@ class Pipeline:
         self._last_key = key
         self.native_paths.drain(self.monitor.observed)  # the last step's, before it ends
         self.monitor.begin_step(key, lambda: describe_key(key))
-        settled = self.variant is None and (self.tiers is None or not self.tiers.pending())
+        # A "plan" verdict put the kept programs back: with none kept, its steps are plain
+        settled = (self.variant is None or (self.variant == "plan" and not self.kept)) and (
+            self.tiers is None or not self.tiers.pending())  # fmt: skip
         self.native_paths.refresh(self.capture.dynamo_graphs, self.capture.group,
                                   settled, self.monitor.quiet)  # fmt: skip
         self._call = t0
