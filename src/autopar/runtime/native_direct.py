@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,8 @@ class NativePaths:
     def __init__(self) -> None:
         self.on = enabled()
         self._paths: dict[int, NativeDirect] = {}  # id(DirectGraph) -> its path
-        self._why: dict[int, str] = {}  # id(DirectGraph) -> why it has none (built once)
+        # DirectGraph -> why it can never have one (found once)
+        self._why: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def refresh(self, graphs: list, records_of: Callable[[int], list], settled: bool,
                 quiet: Callable[[Any], bool]) -> None:  # fmt: skip
@@ -100,7 +102,7 @@ class NativePaths:
             if path is not None and not (settled and path.current() and path.quiet(quiet)):
                 self._paths.pop(id(direct))
                 direct.native = path = None
-            if path is None and settled and self.on and id(direct) not in self._why:
+            if path is None and settled and self.on and direct not in self._why:
                 path = self._build(direct, records_of(graph.group))
                 if path is not None and path.quiet(quiet):
                     self._paths[id(direct)] = path
@@ -114,9 +116,6 @@ class NativePaths:
                 if seconds:
                     observed(record, seconds)
 
-    def active(self, direct: DirectGraph) -> bool:
-        return id(direct) in self._paths
-
     def _build(self, direct: DirectGraph, records: list) -> NativeDirect | None:
         halves = {r.tag.rsplit(".", 1)[1]: r for r in records}
         fw, bw = halves.get("fw"), halves.get("bw")
@@ -124,7 +123,7 @@ class NativePaths:
         if why is None:
             return NativeDirect(direct, fw, bw)
         if why.startswith("graph:"):  # never changes for this graph: do not look again
-            self._why[id(direct)] = why
+            self._why[direct] = why
         return None
 
 
