@@ -3,8 +3,10 @@
 runner and the candidate).
 
 The analysis and the runner's autograd are tested on uncompiled graphs (fast, float64 where
-equality matters); two tests compile with Inductor's C++ wrapper (seconds each, one small
-graph, the second a cache hit).
+equality matters); the tests that compile with Inductor's C++ wrapper (seconds each) share
+one small graph, so all but the first are cache hits. The native runner (``split.cpp``) is
+held to the Python runner bitwise: both call the same compiled kernels on the same halves,
+one thread each, and sum the two halves' parameter gradients the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import autopar
 import autopar.runtime.tiers as tiers
 from autopar.codegen.batch_split import batched_inputs, split_reason
 from autopar.profiling.store import ProfileStore
-from autopar.runtime.split_tier import SplitRunner
+from autopar.runtime import native
+from autopar.runtime.split_tier import NativeSplitRunner, SplitRunner, split_parts
 from autopar.tools import zoo
 
 
@@ -144,9 +147,138 @@ def test_the_split_executor_trains_like_eager(monkeypatch):
     make = lambda: [torch.randn(4, 3, 6, 6, requires_grad=True)]  # noqa: E731
     compile_fn = compile_and_land(make, compiled)
 
+    native.load()  # built once per torch version: the split then runs natively
     check_training(ConvBranches(), [torch.randn(4, 3, 6, 6)], compile_fn, opt_name="sgd")
     assert {u.executor for u in autopar.graphs(compiled["m"])} == {"split"}
-    assert "batch split: inputs" in str(autopar.explain(compiled["m"]).graphs[0].program)
+    program = autopar.explain(compiled["m"]).graphs[0].program
+    assert "batch split: inputs" in str(program)
+    assert "split runner: native (split.cpp)" in program.notes, program.notes
+
+
+@pytest.fixture(scope="module")
+def conv_split():
+    """ConvBranches' split program, compiled for a batch of 4 (a cache hit after the first
+    compile), with the graph's example inputs."""
+    native.load()
+    torch.manual_seed(0)
+    gm, args = dynamo_graph(ConvBranches(), torch.randn(4, 3, 6, 6, requires_grad=True))
+    _, build, check = split_parts(gm, args, "g0")
+    assert check() is None
+    return build(), args
+
+
+def _batch(xs: list, args: list | None = None) -> torch.Tensor:
+    """The batch among ``xs`` (the graph's input that is no parameter in ``args``)."""
+    args = xs if args is None else args
+    return next(x for x, a in zip(xs, args, strict=True) if not isinstance(a, nn.Parameter))
+
+
+def _fw_bw(runner, args, seed: int = 1):
+    """Outputs and every input's gradient (parameters, the batch) of one forward and
+    backward through ``runner``, for a fixed output gradient; a hook on the batch's gradient
+    counts its calls."""
+    leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    calls = []
+    _batch(leaves, args).register_hook(lambda g: calls.append(1))
+    (out,) = runner(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+    return out, [a.grad for a in leaves], calls
+
+
+def test_the_native_split_equals_the_python_split_bitwise(conv_split):
+    program, args = conv_split
+    assert isinstance(program.fn, NativeSplitRunner), program.runner
+    assert sum(a.requires_grad for a in args) > 1 and any(a.shape[0] == 4 for a in args)
+    out, grads, calls = _fw_bw(program.fn, args)
+    ref, ref_grads, ref_calls = _fw_bw(program.fn.python, args)
+    assert torch.equal(out, ref)
+    assert all(g is None and r is None or torch.equal(g, r)
+               for g, r in zip(grads, ref_grads, strict=True))  # fmt: skip
+    assert sum(g is not None for g in grads) == sum(a.requires_grad for a in args)
+    assert len(calls) == len(ref_calls)
+
+
+def test_the_native_split_keeps_autograd_semantics(conv_split):
+    """retain_graph=True raises AOTAutograd's error where the compiled backward donates
+    buffers (it writes into saved tensors) and otherwise gives the same gradients twice; an
+    in-place change of a saved tensor raises autograd's error; a backward under
+    create_graph=True gives usable results whose own backward raises the double-backward
+    error."""
+    program, args = conv_split
+    leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    assert program.joint.fn.donated  # Inductor's default (torch._functorch.config)
+    (out,) = program.fn(*leaves)
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        out.sum().backward(retain_graph=True)
+
+    x = _batch(args).detach().requires_grad_()
+    # Not from the FX graph cache: it serves the donating compile of the same graph (torch
+    # 2.13: its key leaves the donated buffers out), whose backward overwrites saved tensors.
+    with torch._functorch.config.patch(donated_buffer=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):  # fmt: skip
+        _, build, _ = split_parts(*dynamo_graph(ConvBranches(), x), "g0")
+        kept = build()
+    assert not kept.joint.fn.donated and isinstance(kept.fn, NativeSplitRunner)
+    (out,) = kept.fn(*leaves)
+    out.sum().backward(retain_graph=True)
+    first = [None if a.grad is None else a.grad.clone() for a in leaves]
+    for a in leaves:
+        a.grad = None
+    out.sum().backward()
+    assert all(g is None and a.grad is None or torch.equal(g, a.grad)
+               for g, a in zip(first, leaves, strict=True))  # fmt: skip
+    with pytest.raises(RuntimeError, match="freed by a backward already"):
+        out.sum().backward()
+
+    (out,) = kept.fn(*leaves)
+    with torch.no_grad():
+        for a in leaves:  # the saved tensors include parameters (the convolutions' weights)
+            a.mul_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+    (out,) = kept.fn(*leaves)
+    grads = torch.autograd.grad(out.sum(), [a for a in leaves if a.requires_grad],
+                                create_graph=True)  # fmt: skip
+    assert all(g.requires_grad for g in grads)
+    with pytest.raises(RuntimeError, match="double backward"):
+        grads[0].sum().backward()
+
+
+def test_a_joint_graph_that_donates_buffers_refuses_retain_graph_as_aotautograd(conv_split):
+    """The half-batch program through autopar's DirectGraph (as the joint tier runs a
+    graph): its backward writes into saved tensors, so retain_graph=True raises
+    AOTAutograd's error rather than let a second backward read overwritten values."""
+    program, args = conv_split
+    batch = _batch(args)
+    half = [a.detach()[:2].requires_grad_() if a is batch else a for a in args]
+    (out,) = program.joint.fn(*half)
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        out.sum().backward(retain_graph=True)
+
+
+def test_saved_tensor_hooks_see_the_split_through_the_python_runner(conv_split):
+    """The native runner keeps its saved tensors itself: under saved-tensor hooks the call
+    goes to the Python runner, whose halves save through autograd (the hooks run), and the
+    gradients are the same."""
+    program, args = conv_split
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        out, grads, _ = _fw_bw(program.fn, args)
+    assert packed
+    ref, ref_grads, _ = _fw_bw(program.fn, args)
+    assert torch.equal(out, ref)
+    assert all(g is None and r is None or torch.equal(g, r)
+               for g, r in zip(grads, ref_grads, strict=True))  # fmt: skip
+
+
+def test_the_native_split_can_be_switched_off_and_says_so(conv_split, monkeypatch):
+    program, args = conv_split
+    monkeypatch.setenv("AUTOPAR_NATIVE_SPLIT", "0")
+    _, build, _ = split_parts(*dynamo_graph(ConvBranches(), _batch(args).detach()), "g0")
+    off = build()
+    assert isinstance(off.fn, SplitRunner) and "AUTOPAR_NATIVE_SPLIT" in off.runner
+    assert f"split runner: {off.runner}" in off.program("forward").notes
 
 
 def test_split_steps_race_and_train_like_eager(monkeypatch):

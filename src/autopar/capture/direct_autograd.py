@@ -27,7 +27,10 @@ Kept from AOTAutograd: tensors saved with ``save_for_backward``, views detached 
 in-place change between the forward and the backward raises autograd's usual error);
 outputs that need no gradient marked non-differentiable (and no zero gradients made for
 them); incoming gradients coerced to the layout the backward was traced for; saved tensors
-freed once the backward has read them (unless ``retain_graph``); the double-backward error.
+freed once the backward has read them (unless ``retain_graph``); the double-backward error;
+and, for a backward compiled with donated buffers (Inductor writes into saved tensors it
+reads last: ``donated``), AOTAutograd's error under ``retain_graph=True``, where a second
+backward would read what the first overwrote.
 
 Switched off with ``AUTOPAR_DIRECT_AUTOGRAD=0`` (every graph then runs through
 AOTAutograd's wrapper, as before).
@@ -55,6 +58,17 @@ from torch._prims_common import make_contiguous_strides_for
 ENV = "AUTOPAR_DIRECT_AUTOGRAD"
 
 
+#: AOTAutograd's error for a backward with donated buffers under ``retain_graph=True``
+#: (torch 2.13, ``runtime_wrappers``), with what autopar adds.
+DONATED_RETAIN = (
+    "This backward function was compiled with non-empty donated buffers which requires "
+    "create_graph=False and retain_graph=False. Please keep backward(create_graph=False, "
+    "retain_graph=False) across all backward() function calls, or set "
+    "torch._functorch.config.donated_buffer=False to disable donated buffer. (autopar: or set "
+    "AUTOPAR_TIERS without 'joint' and 'split', the executors whose backward donates buffers)"
+)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
@@ -78,11 +92,13 @@ def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocas
 
 
 def direct_runner(gm: Any, meta: Any, forward: Callable, backward: Callable, aot: Callable,
-                  autocast: bool) -> tuple[DirectGraph | None, str]:  # fmt: skip
+                  autocast: bool, donated: bool = False,
+                  ) -> tuple[DirectGraph | None, str]:  # fmt: skip
     """``(DirectGraph, "direct")`` for the Dynamo graph ``gm``'s compiled halves where
     nothing needs AOTAutograd's wrapper, else ``(None, "AOTAutograd (<why>)")``: the label
     ``autopar.explain`` shows. ``aot``: AOTAutograd's runner; ``autocast``: whether the
-    forward was traced under autocast."""
+    forward was traced under autocast; ``donated``: whether the backward was compiled with
+    donated buffers (module docstring)."""
     inputs = len(gm.graph.find_nodes(op="placeholder"))
     why = (
         "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
@@ -91,7 +107,7 @@ def direct_runner(gm: Any, meta: Any, forward: Callable, backward: Callable, aot
     )  # fmt: skip
     if why is None:
         try:
-            return DirectGraph(meta, forward, backward, aot), "direct"
+            return DirectGraph(meta, forward, backward, aot, donated), "direct"
         except ValueError as exc:
             why = str(exc)
     return None, f"AOTAutograd ({why})"
@@ -142,10 +158,12 @@ class DirectGraph:
 
     ``forward(list) -> outs`` and ``backward(list) -> grads`` are the boxed callables
     AOTAutograd calls; ``aot(*args)`` is AOTAutograd's runner, for the calls this one
-    leaves to it (module docstring)."""
+    leaves to it; ``donated``: the backward writes into saved tensors (module docstring)."""
 
-    def __init__(self, meta: Any, forward: Callable, backward: Callable, aot: Callable):
+    def __init__(self, meta: Any, forward: Callable, backward: Callable, aot: Callable,
+                 donated: bool = False):  # fmt: skip
         self.forward, self.backward, self.aot = forward, backward, aot
+        self.donated = donated
         outputs = meta.output_info
         self.num_outputs = len(outputs)
         self.no_grad_outputs = [i for i, o in enumerate(outputs) if not o.requires_grad]
@@ -188,7 +206,7 @@ def _function_for(graph: DirectGraph) -> type[torch.autograd.Function]:
     backward: the compiled backward on the saved tensors and the coerced gradients."""
     fw, bw, n = graph.forward, graph.backward, graph.num_outputs
     no_grad, grad_at, layouts = graph.no_grad_outputs, graph.grad_outputs, graph.layouts
-    plain = graph.plain
+    plain, donated = graph.plain, graph.donated
 
     class DirectFunction(torch.autograd.Function):
         @staticmethod
@@ -208,6 +226,8 @@ def _function_for(graph: DirectGraph) -> type[torch.autograd.Function]:
             args = list(ctx.saved_tensors)
             if not torch._C._autograd._get_current_graph_task_keep_graph():
                 ctx.maybe_clear_saved_tensors()  # the backward frees what it has read
+            elif donated:
+                raise RuntimeError(DONATED_RETAIN)
             if plain:  # the usual case: contiguous gradients expected
                 args += [_contiguous(grads[i]) for i in grad_at]
             else:

@@ -155,7 +155,9 @@ def _direct(fn, gm: fx.GraphModule, halves: dict, meta: Any, autocast: bool):
 
     if set(halves) != {"forward", "backward"}:
         return fn, "AOTAutograd (no compiled backward)"
-    runner, label = direct_runner(gm, meta, halves["forward"], halves["backward"], fn, autocast)
+    donated = bool(getattr(meta, "bw_donated_idxs", None))  # Inductor writes into saved tensors
+    runner, label = direct_runner(gm, meta, halves["forward"], halves["backward"], fn, autocast,
+                                  donated)  # fmt: skip
     return runner or fn, label
 
 

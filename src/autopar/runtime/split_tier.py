@@ -21,6 +21,16 @@ caller's ``torch.get_num_threads()`` (the tier is offered only where that is at 
 Not supported (as with any ``autograd.Function`` run once): a second backward through the
 same outputs (``retain_graph=True``) and double backward.
 
+Where it can, the same split runs natively (:class:`NativeSplitRunner`: ``split.cpp`` in
+``autopar.runtime.native``): one C++ autograd function calls the compiled program's C++
+entry on both halves from a two-thread OpenMP region, with no Python between the halves
+and autograd (measured in ``split.cpp``'s header). It runs the same compiled kernels on
+the same halves, so its results equal the Python runner's bitwise. Where it cannot (no
+native extension built, an output that needs no gradient, a layout the backward does not
+take as it comes; and per call: autocast, compiled autograd, ``torch.func``) the Python
+runner runs; ``autopar.explain`` says which ran and why. ``AUTOPAR_NATIVE_SPLIT=0``
+switches it off.
+
 Example::
 
     >>> warm, build, check = split_parts(graph.gm, args, "g0")   # doctest: +SKIP
@@ -29,6 +39,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,6 +57,7 @@ from autopar.codegen.batch_split import (
 from autopar.codegen.emit import Program
 from autopar.codegen.inductor import input_meta, stand_ins
 from autopar.codegen.joint import JointProgram, roles, with_roles
+from autopar.runtime import native
 from autopar.runtime.streams import (
     intra_op_threads,
     release_idle_omp_team,
@@ -166,18 +179,98 @@ def split_parts(gm, args: list, tag: str):
         return start_split_warmup(gm, half_inputs(), tag)
 
     def build():
-        return SplitProgram(compile_split(gm, half_inputs(), tag=tag), picked, batch)
+        return SplitProgram(compile_split(gm, half_inputs(), tag=tag), picked, batch, len(args))
 
     return warm, build, check
+
+
+#: ``AUTOPAR_NATIVE_SPLIT=0`` keeps every split on the Python runner.
+NATIVE_ENV = "AUTOPAR_NATIVE_SPLIT"
+
+
+class NativeSplitRunner:
+    """The split of :class:`SplitRunner` as one C++ autograd function (``split.cpp``):
+    ``runner(*args)`` returns the same outputs. ``python``: the Python runner, for the calls
+    the C++ function leaves to it (autocast, compiled autograd, ``torch.func``: the compiled
+    halves' own runner handles those; saved-tensor hooks: the C++ function keeps its saved
+    tensors itself, to free them as the backward runs)."""
+
+    def __init__(self, split_id: int, n_out: int, python: SplitRunner):
+        self.split_id, self.n_out, self.python = split_id, n_out, python
+        self._apply = native.load(build=False).split_apply
+
+    def __call__(self, *args: Any) -> tuple:
+        if (torch._C._is_any_autocast_enabled() or _compiled_autograd()
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or _saved_tensor_hooks(False) is not None):  # fmt: skip
+            return self.python(*args)
+        return tuple(self._apply(list(args), self.split_id, self.n_out))
+
+
+def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int):
+    """``(split_id, None)`` where the split of ``joint`` can run natively (``split.cpp``), else
+    ``(None, why)``."""
+    from autopar.capture.direct_autograd import DONATED_RETAIN, DirectGraph
+
+    direct = joint.fn
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return None, f"switched off (${NATIVE_ENV})"
+    if not native.available():
+        return None, "the native extension is not built yet"
+    if not isinstance(direct, DirectGraph):
+        return None, f"the halves run through {joint.autograd}"
+    if not direct.plain or direct.no_grad_outputs:
+        return None, "an output needs no gradient, or a gradient layout is not contiguous"
+    fw, bw = _entry(direct.forward), _entry(direct.backward)
+    if isinstance(fw, str) or isinstance(bw, str):
+        return None, fw if isinstance(fw, str) else bw
+    saved = fw[2] - direct.num_outputs
+    if fw[1] != n_args or bw[1] != saved + len(direct.grad_outputs) or bw[2] != n_args:
+        return None, "the compiled halves do not take the graph's inputs and gradients"
+    ext = native.load(build=False)
+    mask = [i in picked for i in range(n_args)]
+    fw_id, bw_id = ext.split_entry(*fw), ext.split_entry(*bw)
+    donated = DONATED_RETAIN if direct.donated else ""
+    return ext.split_program(fw_id, bw_id, mask, batch, list(direct.grad_outputs), donated), None
+
+
+def _entry(compiled: Any) -> tuple[str, int, int] | str:
+    """``(library, inputs, outputs)`` of a C++-wrapper compile's entry (Inductor's compiled
+    graph, torch 2.13: its callable's module binds the library as ``inductor_entry``, and its
+    output code names the counts), or why there is none."""
+    call = getattr(compiled, "current_callable", None)
+    binding = getattr(call, "__globals__", {}).get("inductor_entry")
+    path = getattr(getattr(binding, "__self__", None), "__file__", None)
+    code = getattr(compiled, "source_code", None) or ""
+    n_in = re.findall(r"steal_from_raw_handles_to_raii_handles\(input_handles, (\d+)\)", code)
+    n_out = re.findall(r"num_outputs=(\d+)", code)
+    if path is None or len(n_in) != 1 or len(n_out) != 1:
+        return "a compiled half has no C++-wrapper entry"
+    if getattr(compiled, "constants", None):
+        return "a compiled half takes constants besides its inputs"
+    return path, int(n_in[0]), int(n_out[0])
+
+
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _compiled_autograd() -> bool:
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd.compiled_autograd_enabled
 
 
 class SplitProgram:
     """A compiled half-batch program and the runner that splits every call in two: ``fn``
     is what the tier swaps in, ``program(phase)`` what ``autopar.explain`` shows."""
 
-    def __init__(self, joint: JointProgram, picked: list[int], batch: int):
+    def __init__(self, joint: JointProgram, picked: list[int], batch: int, n_args: int = 0):
         self.joint, self.picked, self.batch = joint, picked, batch
-        self.fn = SplitRunner(joint.fn, picked, batch)
+        python = SplitRunner(joint.fn, picked, batch)
+        split_id, why = native_split(joint, picked, batch, n_args)
+        self.runner = "native (split.cpp)" if why is None else f"Python ({why})"
+        self.fn = python if why is not None else NativeSplitRunner(
+            split_id, joint.fn.num_outputs, python)  # fmt: skip
 
     def program(self, phase: str) -> Program:
         prog = self.joint.program(phase)
@@ -187,4 +280,5 @@ class SplitProgram:
             "# by the program below, compiled for one half with the C++ wrapper\n"
         )
         return Program(head + prog.source, self.fn, None, prog.tag, prog.filename,
-                       notes=(*prog.notes, f"batch split: 2 x {self.batch // 2} rows"))  # fmt: skip
+                       notes=(*prog.notes, f"batch split: 2 x {self.batch // 2} rows",
+                              f"split runner: {self.runner}"))  # fmt: skip

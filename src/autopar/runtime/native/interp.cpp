@@ -496,6 +496,8 @@ variable_list direct_apply(std::vector<at::Tensor> inputs, std::shared_ptr<Progr
 
 }  // namespace
 
+void register_split(py::module& m);  // split.cpp: the native batch-split runner
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "autopar's native stream interpreter (see interp.cpp's header)";
   py::class_<Program, std::shared_ptr<Program>>(m, "Program")
@@ -511,4 +513,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A training graph's forward and backward native programs as one C++ autograd "
         "function: the forward's user outputs (see DirectFunction in interp.cpp)");
   m.def("max_threads", []() { return omp_get_max_threads(); });
+  register_split(m);
 }
