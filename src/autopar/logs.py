@@ -41,6 +41,26 @@ _LEVELS = {
 }
 
 
+def env_switch(name: str, *, empty_is_on: bool = True) -> bool:
+    """Whether the on/off switch ``$name`` is on: unset, it is; set, it is off for ``0``,
+    ``off``, ``false`` or ``no`` (any case), and for the empty string where ``empty_is_on``
+    is False. autopar's switches (``AUTOPAR_NATIVE``, ``AUTOPAR_INDUCTOR``,
+    ``AUTOPAR_DIRECT_AUTOGRAD``, ...) read it.
+
+    Example::
+
+        >>> os.environ["AUTOPAR_EXAMPLE"] = "Off"
+        >>> env_switch("AUTOPAR_EXAMPLE"), env_switch("AUTOPAR_UNSET_EXAMPLE")
+        (False, True)
+        >>> del os.environ["AUTOPAR_EXAMPLE"]
+    """
+    value = os.environ.get(name)
+    if value is None:
+        return True
+    off = ("0", "off", "false", "no") if empty_is_on else ("0", "off", "false", "no", "")
+    return value.strip().lower() not in off
+
+
 def parse(spec: str | int) -> int | None:
     """The logging level an ``AUTOPAR_LOGS`` value asks for (None: off).
 

@@ -33,7 +33,7 @@ from autopar.adapt.shapes import (
 from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
 from autopar.codegen.emit import Boxed
 from autopar.errors import traced_user_error, warn_fallback
-from autopar.logs import CompileProgress
+from autopar.logs import CompileProgress, env_switch
 from autopar.runtime.native_direct import NativePaths
 from autopar.runtime.planned import KeptPlans, native_on
 from autopar.runtime.race import StepRace
@@ -452,9 +452,7 @@ def _inductor(options) -> bool:
     on; the test suite turns it off so that only the tests of Inductor pay its compiles)."""
     flag = getattr(options, "inductor", None)
     if flag is None:
-        flag = os.environ.get("AUTOPAR_INDUCTOR", "1").strip().lower() not in (
-            "0", "false", "off", "no", ""
-        )
+        flag = env_switch("AUTOPAR_INDUCTOR", empty_is_on=False)
     return bool(flag)
 
 

@@ -45,7 +45,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +52,8 @@ import torch
 from torch._dynamo import compiled_autograd  # imported by the caller already: Dynamo runs
 from torch._functorch._aot_autograd.runtime_wrappers import coerce_to_expected_memory_format
 from torch._prims_common import make_contiguous_strides_for
+
+from autopar.logs import env_switch
 
 #: ``AUTOPAR_DIRECT_AUTOGRAD=0`` runs every graph through AOTAutograd's runtime wrapper.
 ENV = "AUTOPAR_DIRECT_AUTOGRAD"
@@ -70,7 +71,7 @@ DONATED_RETAIN = (
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_switch(ENV)
 
 
 def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocast: bool) -> None:
@@ -181,11 +182,7 @@ class DirectGraph:
         self.native: Callable[[tuple], list] | None = None
 
     def __call__(self, *args: Any) -> list:
-        if (torch._C._is_any_autocast_enabled() or _compiled_autograd()
-                or torch._C._functorch.peek_interpreter_stack() is not None):  # fmt: skip
-            # AOTAutograd's function runs these (autocast: it turns autocast off around the
-            # graph, whose casts are traced in; Dynamo guards on the autocast state, so such
-            # a graph is always called under autocast); this one does not.
+        if aot_only():
             return self.aot(*args)
         native = self.native
         if native is not None:
@@ -195,6 +192,15 @@ class DirectGraph:
 
     def __repr__(self) -> str:
         return f"DirectGraph(outputs={self.num_outputs}, grads={len(self.grad_outputs)})"
+
+
+def aot_only() -> bool:
+    """Whether this call must go through AOTAutograd's runner: under autocast (it turns
+    autocast off around the graph, whose casts are traced in; Dynamo guards on the autocast
+    state, so such a graph is always called under autocast), compiled autograd or a
+    functorch transform (``torch.func``), which autopar's functions do not handle."""
+    return (torch._C._is_any_autocast_enabled() or _compiled_autograd()
+            or torch._C._functorch.peek_interpreter_stack() is not None)  # fmt: skip
 
 
 def _compiled_autograd() -> bool:

@@ -36,7 +36,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +44,7 @@ import torch
 
 from autopar.capture.direct_autograd import DirectGraph
 from autopar.codegen.emit import Boxed
+from autopar.logs import env_switch
 from autopar.runtime import native
 
 #: ``AUTOPAR_NATIVE_DIRECT=0`` keeps every training graph on the Python autograd function.
@@ -52,7 +52,7 @@ ENV = "AUTOPAR_NATIVE_DIRECT"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_switch(ENV)
 
 
 class NativeDirect:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import time
 
+from autopar.logs import env_switch
+
 #: A multi-stream program must take at most this fraction of the serial program's time.
 MEASURE_MARGIN = 0.95
 
@@ -32,9 +34,7 @@ def native_on(options) -> bool:
     so that only the tests of the interpreter depend on its build)."""
     flag = getattr(options, "native", None)
     if flag is None:
-        flag = os.environ.get("AUTOPAR_NATIVE", "1").strip().lower() not in (
-            "0", "false", "off", "no", ""
-        )  # fmt: skip
+        flag = env_switch("AUTOPAR_NATIVE", empty_is_on=False)
     return bool(flag)
 
 

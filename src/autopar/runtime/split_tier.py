@@ -39,7 +39,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from autopar.capture.direct_autograd import DONATED_RETAIN, DirectGraph, aot_only
 from autopar.codegen.batch_split import (
     batched_inputs,
     compile_split,
@@ -57,6 +57,7 @@ from autopar.codegen.batch_split import (
 from autopar.codegen.emit import Program
 from autopar.codegen.inductor import input_meta, stand_ins
 from autopar.codegen.joint import JointProgram, roles, with_roles
+from autopar.logs import env_switch
 from autopar.runtime import native
 from autopar.runtime.streams import (
     intra_op_threads,
@@ -200,9 +201,7 @@ class NativeSplitRunner:
         self._apply = native.load(build=False).split_apply
 
     def __call__(self, *args: Any) -> tuple:
-        if (torch._C._is_any_autocast_enabled() or _compiled_autograd()
-                or torch._C._functorch.peek_interpreter_stack() is not None
-                or _saved_tensor_hooks(False) is not None):  # fmt: skip
+        if aot_only() or _saved_tensor_hooks(False) is not None:
             return self.python(*args)
         return tuple(self._apply(list(args), self.split_id, self.n_out))
 
@@ -210,10 +209,8 @@ class NativeSplitRunner:
 def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int):
     """``(split_id, None)`` where the split of ``joint`` can run natively (``split.cpp``), else
     ``(None, why)``."""
-    from autopar.capture.direct_autograd import DONATED_RETAIN, DirectGraph
-
     direct = joint.fn
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if not env_switch(NATIVE_ENV):
         return None, f"switched off (${NATIVE_ENV})"
     if not native.available():
         return None, "the native extension is not built yet"
@@ -227,11 +224,10 @@ def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int
     saved = fw[2] - direct.num_outputs
     if fw[1] != n_args or bw[1] != saved + len(direct.grad_outputs) or bw[2] != n_args:
         return None, "the compiled halves do not take the graph's inputs and gradients"
-    ext = native.load(build=False)
     mask = [i in picked for i in range(n_args)]
-    fw_id, bw_id = ext.split_entry(*fw), ext.split_entry(*bw)
     donated = DONATED_RETAIN if direct.donated else ""
-    return ext.split_program(fw_id, bw_id, mask, batch, list(direct.grad_outputs), donated), None
+    ext = native.load(build=False)
+    return ext.split_program(fw, bw, mask, batch, list(direct.grad_outputs), donated), None
 
 
 def _entry(compiled: Any) -> tuple[str, int, int] | str:
@@ -254,17 +250,11 @@ def _entry(compiled: Any) -> tuple[str, int, int] | str:
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
-def _compiled_autograd() -> bool:
-    from torch._dynamo import compiled_autograd
-
-    return compiled_autograd.compiled_autograd_enabled
-
-
 class SplitProgram:
     """A compiled half-batch program and the runner that splits every call in two: ``fn``
     is what the tier swaps in, ``program(phase)`` what ``autopar.explain`` shows."""
 
-    def __init__(self, joint: JointProgram, picked: list[int], batch: int, n_args: int = 0):
+    def __init__(self, joint: JointProgram, picked: list[int], batch: int, n_args: int):
         self.joint, self.picked, self.batch = joint, picked, batch
         python = SplitRunner(joint.fn, picked, batch)
         split_id, why = native_split(joint, picked, batch, n_args)

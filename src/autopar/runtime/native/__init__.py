@@ -30,8 +30,10 @@ import threading
 
 import torch
 
-#: The extension's sources: the stream interpreter, and the batch-split runner (``split.cpp``)
+#: The extension's sources: the stream interpreter, and the batch-split runner (``split.cpp``);
+#: and the header they share (hashed into the build's name with them)
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("interp.cpp", "split.cpp"))
+_HEADERS = (os.path.join(os.path.dirname(__file__), "no_double_backward.h"),)
 #: -O2: the interpreter's own loops are a few hundred lines; -fopenmp: its parallel region
 #: opens the calling thread's team of torch's libgomp (already loaded by torch, same soname)
 CFLAGS = ("-O2", "-fopenmp")
@@ -74,7 +76,7 @@ def program(streams: list, *, slots: int, events: int, inputs: list, outputs: li
 @functools.cache  # the source does not change under a running process
 def _name() -> str:
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         with open(source, "rb") as f:
             digest.update(f.read())
     digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())

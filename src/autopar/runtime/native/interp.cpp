@@ -33,6 +33,8 @@
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include "no_double_backward.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ScalarOps.h>
@@ -379,9 +381,11 @@ class Program {
 // autograd's version error), and the backward program gets the saved tensors and the
 // contiguous gradients of the outputs that take part in it. (A graph with an output that
 // needs no gradient keeps the Python function: compiled autograd cannot take a C++
-// function that marks one non-differentiable.) Compiled autograd calls it as it is. Saved tensors are freed after the backward unless retain_graph (the
-// engine's release_variables). Under create_graph=True the results are connected to the
-// graph through NoDoubleBackward, whose backward raises AOTAutograd's double-backward error.
+// function that marks one non-differentiable.) Compiled autograd calls it as it is. Saved
+// tensors are freed after the backward unless retain_graph (the engine's
+// release_variables). Under create_graph=True the results are connected to the graph
+// through NoDoubleBackward (no_double_backward.h), whose backward raises AOTAutograd's
+// double-backward error.
 // Python creates no tensor object for the saved tensors or the gradients it does not see:
 // on the 2-core box that saved 100-130 us of a 2.5 ms towers step (2026-12-07).
 using torch::autograd::AutogradContext;
@@ -406,37 +410,11 @@ std::shared_ptr<Program> program_of(int64_t id) {
   return g_programs.at(reinterpret_cast<Program*>(id));
 }
 
-const char* const kDoubleBackward =
-    "torch.compile with aot_autograd does not currently support double backward (autopar: a "
-    "compiled graph's backward cannot be differentiated again; run that part eagerly)";
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 at::Tensor as_tensor(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
-
-// The backward program's gradients that are tensors (a function's outputs must be defined;
-// the caller puts the Nones back by `defined`, which it reads after the call).
-struct NoDoubleBackward : public torch::autograd::Function<NoDoubleBackward> {
-  static constexpr bool is_traceable = false;  // compiled autograd calls it as it is
-  static variable_list forward(AutogradContext*, at::Tensor anchor,
-                               std::shared_ptr<Program> bw, std::vector<c10::IValue> ins,
-                               std::vector<bool>* defined) {
-    auto t0 = std::chrono::steady_clock::now();
-    auto outs = bw->run_values(std::move(ins));
-    bw->note_seconds(seconds_since(t0));
-    variable_list res;
-    for (auto& v : outs) {
-      defined->push_back(v.isTensor() && v.toTensor().defined());
-      if (defined->back()) res.push_back(v.toTensor());
-    }
-    return res;
-  }
-  static variable_list backward(AutogradContext*, variable_list) {
-    TORCH_CHECK(false, kDoubleBackward);
-  }
-};
 
 struct DirectFunction : public torch::autograd::Function<DirectFunction> {
   static constexpr bool is_traceable = false;  // compiled autograd calls it as it is
@@ -466,19 +444,14 @@ struct DirectFunction : public torch::autograd::Function<DirectFunction> {
     std::vector<c10::IValue> ins(saved.begin(), saved.end());
     for (auto i : ctx->saved_data["grad_at"].toIntVector())
       ins.emplace_back(grads[i].defined() ? c10::IValue(grads[i].contiguous()) : c10::IValue());
-    variable_list res;
-    if (at::GradMode::is_enabled()) {  // create_graph=True
-      auto anchor = at::empty({0}).set_requires_grad(true);
-      std::vector<bool> defined;
-      auto got = NoDoubleBackward::apply(anchor, bw, std::move(ins), &defined);
-      size_t k = 0;
-      for (bool d : defined) res.push_back(d ? got[k++] : at::Tensor());
-    } else {
+    auto res = autopar_native::backward_results([&]() {
       auto t0 = std::chrono::steady_clock::now();
       auto outs = bw->run_values(std::move(ins));
       bw->note_seconds(seconds_since(t0));
-      for (auto& v : outs) res.push_back(as_tensor(v));
-    }
+      variable_list grads_in;
+      for (auto& v : outs) grads_in.push_back(as_tensor(v));
+      return grads_in;
+    });
     res.resize(ctx->saved_data["n_in"].toInt());
     res.resize(res.size() + 4);  // fw, bw, n_out, grad_at: no gradients
     return res;

@@ -28,13 +28,15 @@
 // tensors stay for a second backward, except where the compiled backward donates buffers
 // (writes into saved tensors): there it raises AOTAutograd's error, as DirectGraph does. A
 // second backward without it says the tensors were freed. Under create_graph=True
-// the results are connected to the graph through SplitNoDoubleBackward, whose backward
-// raises AOTAutograd's double-backward error.
+// the results are connected to the graph through NoDoubleBackward (no_double_backward.h),
+// whose backward raises AOTAutograd's double-backward error.
 
 #include <torch/extension.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <torch/csrc/autograd/graph_task.h>
+
+#include "no_double_backward.h"
 
 #include <ATen/ThreadLocalState.h>
 #include <dlfcn.h>
@@ -46,6 +48,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -72,28 +75,16 @@ struct Entry {
   std::string path;
 };
 
-// Entries are named by integers in a node's saved data (compiled autograd hashes saved data),
-// and live for the process: a library stays loaded as long as Python's module does, which
-// Inductor's cache keeps for the process too.
-std::mutex g_entries_mu;
-std::unordered_map<int64_t, Entry> g_entries;
-
-int64_t split_entry(const std::string& path, int64_t n_in, int64_t n_out) {
+// The entry of the C++-wrapper library at `path`, which Python loaded (and keeps loaded:
+// Inductor's cache holds its module for the process).
+Entry entry_in(const std::string& path, int64_t n_in, int64_t n_out) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
   TORCH_CHECK(lib != nullptr, "autopar native split: ", path, " is not loaded");
   void* sym = dlsym(lib, kEntrySymbol);
   dlclose(lib);  // RTLD_NOLOAD took a reference: Python's stays
   TORCH_CHECK(sym != nullptr, "autopar native split: no Inductor entry in ", path);
-  std::lock_guard<std::mutex> g(g_entries_mu);
-  auto id = reinterpret_cast<int64_t>(sym);
-  g_entries[id] = Entry{reinterpret_cast<EntryFn>(sym), static_cast<int>(n_in),
-                        static_cast<int>(n_out), path};
-  return id;
-}
-
-const Entry& entry_of(int64_t id) {
-  std::lock_guard<std::mutex> g(g_entries_mu);
-  return g_entries.at(id);
+  return Entry{reinterpret_cast<EntryFn>(sym), static_cast<int>(n_in), static_cast<int>(n_out),
+               path};
 }
 
 // The entry on `ins`, which it owns from here: it frees each input after its last use, as
@@ -194,14 +185,23 @@ variable_list join_grads(std::vector<at::Tensor> g0, std::vector<at::Tensor> g1,
 }
 
 struct Split {
-  int64_t fw, bw, half, rows;
+  Entry fw, bw;
+  int64_t half, rows;
   std::vector<bool> picked;
   std::vector<int64_t> grad_at;
   std::string donated;  // AOTAutograd's error where the backward donates buffers, else empty
 };
 
+// A split is named by an integer in a node's saved data (compiled autograd hashes saved
+// data) and lives for the process: a node outlives the model that made it when the user
+// keeps an output, and a split is made once per compile of the split tier.
 std::mutex g_splits_mu;
-std::unordered_map<int64_t, std::shared_ptr<Split>> g_splits;  // for the process, as entries
+std::unordered_map<int64_t, std::shared_ptr<Split>> g_splits;
+
+std::shared_ptr<Split> split_of(int64_t id) {
+  std::lock_guard<std::mutex> g(g_splits_mu);
+  return g_splits.at(id);
+}
 
 variable_list backward_halves(const Split& s, variable_list saved, const variable_list& grads) {
   const size_t n_saved = saved.size() / 2;
@@ -216,30 +216,9 @@ variable_list backward_halves(const Split& s, variable_list saved, const variabl
     }
   }
   saved.clear();
-  auto got = run_halves(entry_of(s.bw), std::move(in[0]), std::move(in[1]));
+  auto got = run_halves(s.bw, std::move(in[0]), std::move(in[1]));
   return join_grads(std::move(got.first), std::move(got.second), s.picked);
 }
-
-const char* const kDoubleBackward =
-    "torch.compile with aot_autograd does not currently support double backward (autopar: a "
-    "compiled graph's backward cannot be differentiated again; run that part eagerly)";
-
-struct SplitNoDoubleBackward : public torch::autograd::Function<SplitNoDoubleBackward> {
-  static constexpr bool is_traceable = false;
-  static variable_list forward(AutogradContext*, at::Tensor anchor, std::shared_ptr<Split> s,
-                               variable_list saved, variable_list grads,
-                               std::vector<bool>* defined) {
-    variable_list res;
-    for (auto& g : backward_halves(*s, std::move(saved), grads)) {
-      defined->push_back(g.defined());
-      if (g.defined()) res.push_back(g);
-    }
-    return res;
-  }
-  static variable_list backward(AutogradContext*, variable_list) {
-    TORCH_CHECK(false, kDoubleBackward);
-  }
-};
 
 // The saved tensors, checked as autograd checks its own (an in-place change since the
 // forward raises its error) and, unless retain_graph, taken out of the node: the backward
@@ -269,12 +248,8 @@ struct SplitFunction : public torch::autograd::Function<SplitFunction> {
   static constexpr bool is_traceable = false;  // compiled autograd calls it as it is
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, int64_t split_id,
                                int64_t n_out) {
-    std::shared_ptr<Split> s;
-    {
-      std::lock_guard<std::mutex> g(g_splits_mu);
-      s = g_splits.at(split_id);
-    }
-    auto got = run_halves(entry_of(s->fw), rows_of(inputs, s->picked, 0, s->half),
+    auto s = split_of(split_id);
+    auto got = run_halves(s->fw, rows_of(inputs, s->picked, 0, s->half),
                           rows_of(inputs, s->picked, s->half, s->rows));
     auto &a = got.first, &b = got.second;
     variable_list user;
@@ -295,36 +270,27 @@ struct SplitFunction : public torch::autograd::Function<SplitFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    std::shared_ptr<Split> s;
-    {
-      std::lock_guard<std::mutex> g(g_splits_mu);
-      s = g_splits.at(ctx->saved_data["split"].toInt());
-    }
+    auto s = split_of(ctx->saved_data["split"].toInt());
     // A backward with donated buffers writes into saved tensors: a second one would read
     // what the first overwrote, so retain_graph=True raises as in AOTAutograd.
     TORCH_CHECK(s->donated.empty() || !torch::autograd::get_current_graph_task_keep_graph(),
                 s->donated);
     variable_list saved = take_saved(ctx);
-    variable_list res;
-    if (at::GradMode::is_enabled()) {  // create_graph=True
-      auto anchor = at::empty({0}).set_requires_grad(true);
-      std::vector<bool> defined;
-      auto got = SplitNoDoubleBackward::apply(anchor, s, std::move(saved), grads, &defined);
-      size_t k = 0;
-      for (bool d : defined) res.push_back(d ? got[k++] : at::Tensor());
-    } else {
-      res = backward_halves(*s, std::move(saved), grads);
-    }
+    auto res = autopar_native::backward_results(
+        [&]() { return backward_halves(*s, std::move(saved), grads); });
     res.resize(ctx->saved_data["n_in"].toInt());
     res.resize(res.size() + 2);  // split_id, n_out: no gradients
     return res;
   }
 };
 
-int64_t split_program(int64_t fw, int64_t bw, std::vector<bool> picked, int64_t rows,
-                      std::vector<int64_t> grad_at, std::string donated) {
-  auto s = std::make_shared<Split>(Split{fw, bw, rows / 2, rows, std::move(picked),
-                                         std::move(grad_at), std::move(donated)});
+using EntrySpec = std::tuple<std::string, int64_t, int64_t>;  // (library, inputs, outputs)
+
+int64_t split_program(const EntrySpec& fw, const EntrySpec& bw, std::vector<bool> picked,
+                      int64_t rows, std::vector<int64_t> grad_at, std::string donated) {
+  auto s = std::make_shared<Split>(Split{std::apply(entry_in, fw), std::apply(entry_in, bw),
+                                         rows / 2, rows, std::move(picked), std::move(grad_at),
+                                         std::move(donated)});
   std::lock_guard<std::mutex> g(g_splits_mu);
   auto id = reinterpret_cast<int64_t>(s.get());
   g_splits[id] = std::move(s);
@@ -339,11 +305,9 @@ variable_list split_apply(std::vector<at::Tensor> inputs, int64_t split_id, int6
 }  // namespace
 
 void register_split(py::module& m) {
-  m.def("split_entry", &split_entry,
-        "The Inductor C++-wrapper library at `path` (loaded by Python) as an entry of the "
-        "native split runner: its id (see split.cpp)");
   m.def("split_program", &split_program,
-        "A batch split of a training graph: forward and backward entries, the batched "
+        "A batch split of a training graph: its forward and backward C++-wrapper libraries "
+        "(path, inputs, outputs), the batched "
         "inputs, the rows, the outputs that take gradients, the error for retain_graph=True "
         "(empty: none); its id");
   m.def("split_apply", &split_apply,
