@@ -19,6 +19,7 @@ MM = encode("aten.mm.default", (torch.ones(8, 8), torch.ones(8, 8)), {})
 CLEAN = {"target": "aten.mm.default", "time_s": 2e-5, "quality": "clean", "call": MM,
          "threads": 1, "samples": 5, "kept": 5, "spread": 0.01, "contention": 0.0}  # fmt: skip
 PROV = {**CLEAN, "target": "aten.relu.default", "time_s": 9e-3, "quality": "provisional",
+        "call": encode("aten.relu.default", (torch.ones(8, 8),), {}),
         "reason": "5/5 samples disturbed at 2 thread(s)", "contention": 1.0}  # fmt: skip
 OLD = {"target": "aten.add.Tensor", "time_s": 1e-6}  # no call description
 

@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 
 from autopar.errors import StoreWarning
-from autopar.profiling.callspec import NotRebuildable, rebuild
+from autopar.profiling.callspec import NotRebuildable, rebuild, why_refused
 from autopar.profiling.quality import CLEAN, DISAGREE_RATIO, disagree, quality
 from autopar.profiling.store import ProfileStore
 from autopar.profiling.timing import measure_op
@@ -128,6 +128,9 @@ def remeasure_from_store(
 def retime(record: Mapping[str, Any], *, warmup: int = 2, repeats: int = 5) -> dict[str, Any]:
     """A fresh measurement of the call ``record`` describes, as a full record (its target,
     FLOPs and description carried over). Raises ``NotRebuildable`` when it cannot be made."""
+    refused = why_refused(record)  # the store refuses such entries on reading, too
+    if refused:
+        raise NotRebuildable(refused)
     call, cuda = rebuild(record.get("call"))
     before = torch.get_num_threads()
     threads = int(record.get("threads") or before)

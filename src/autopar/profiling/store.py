@@ -243,6 +243,15 @@ def _invalid_value(value: Any, key: str, depth: int = 0) -> str | None:
     return f"{key!r} has type {type(value).__name__}, which JSON cannot hold"
 
 
+def refused_call(record: dict[str, Any]) -> str | None:
+    """Why an operator record's call description must not run (``callspec.why_refused``)."""
+    if "call" not in record:
+        return None
+    from autopar.profiling.callspec import why_refused  # imports torch: only when needed
+
+    return why_refused(record)
+
+
 def validate_record(record: Any, *, op: bool = True) -> str | None:
     """Why ``record`` cannot be stored, or ``None`` when it is fine.
 
@@ -291,6 +300,7 @@ class ProfileStore:
         self._replaced: set[str] = set()
         self._removed: set[str] = set()
         self._warned = False
+        self._refused: dict[str, str] = {}  # entries that name what autopar does not run
         self.path: str | None
         if _memory:
             self.path = None
@@ -394,7 +404,7 @@ class ProfileStore:
     def _check(key: str, record: dict[str, Any], *, op: bool) -> None:
         if not isinstance(key, str) or not key:
             raise ValueError(f"profile store keys are non-empty strings, got {key!r}")
-        bad = validate_record(record, op=op)
+        bad = validate_record(record, op=op) or (refused_call(record) if op else None)
         if bad:
             raise ValueError(
                 f"refusing to store {key!r}: {bad}. Measurements must be finite, times and "
@@ -452,12 +462,14 @@ class ProfileStore:
         if problem is not None:
             self._warn(problem, self._move_aside())
             return {}, {}
-        ops, cal, bad = {}, {}, []
+        ops, cal, bad, refused = {}, {}, [], {}
         for section, out, is_op in ((data["ops"], ops, True), (data["calibration"], cal, False)):
             for key, rec in section.items():
                 why = validate_record(rec, op=is_op)
                 if why:
                     bad.append(f"{key}: {why}")
+                elif is_op and (no := refused_call(rec)):
+                    refused[key] = no
                 else:
                     out[key] = rec
         if bad:
@@ -465,7 +477,27 @@ class ProfileStore:
                 f"has {len(bad)} invalid entries (first: {bad[0]})",
                 "they were dropped and the file will be rewritten without them",
             )
+        self._refuse(refused)
         return ops, cal
+
+    def _refuse(self, refused: dict[str, str]) -> None:
+        """One ``StoreWarning`` naming the file and the entries whose call description names
+        something autopar does not run (``callspec.why_refused``): a store holds data, never
+        code. Such an entry is treated as missing (its operator is measured again) and is
+        gone from the file at the next flush. Each entry is named once per store."""
+        new = {k: v for k, v in refused.items() if k not in self._refused}
+        if not new:
+            return
+        self._refused.update(new)
+        first, why = next(iter(new.items()))
+        more = f" and {len(new) - 1} more" if len(new) > 1 else ""
+        warnings.warn(
+            f"autopar: profile store {self.path!r}: entry {first}{more} refused: {why}. "
+            "Only torch operators are re-timed from a store; the entry is ignored and its "
+            "operator measured again. If this file came from elsewhere, delete it.",
+            StoreWarning,
+            stacklevel=4,
+        )
 
     def _header_problem(self, data: Any) -> str | None:
         if not isinstance(data, dict) or data.get("format") != STORE_FORMAT:
