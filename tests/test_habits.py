@@ -266,3 +266,74 @@ def test_backend_autopar_leaves_dynamo_hook_guard_setting_as_it_was():
     cm = torch.compile(m, backend="autopar", options={"store": ProfileStore.memory()})
     torch.testing.assert_close(cm(x), m(x))
     assert torch._dynamo.config.skip_nnmodule_hook_guards == before
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class _Doubled(_Net):
+    """A subclass that overrides ``__call__`` (eager runs it around ``forward``)."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) * 2
+
+
+def _twins(cls):
+    torch.manual_seed(0)
+    model = cls()
+    return autopar.compile(copy.deepcopy(model), store=ProfileStore.memory()), model
+
+
+def _step_both(cmodel, eager, x, opts):
+    outs = []
+    for m, opt in zip((cmodel, eager), opts, strict=True):
+        out = m(x)
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_replaced_after_four_steps_runs_as_in_eager():
+    import types
+
+    class Net(_Net):  # its own class: the test replaces the class's forward too
+        pass
+
+    cmodel, eager = _twins(Net)
+    x = torch.randn(8, 8)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cmodel, eager)]
+    for _ in range(4):
+        _step_both(cmodel, eager, x, opts)
+
+    def new_forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + 1.0
+
+    for m in (cmodel._orig_mod, eager):  # on the instance, as users patch a model
+        m.forward = types.MethodType(new_forward, m)
+    for _ in range(6):
+        _step_both(cmodel, eager, x, opts)
+    for m in (cmodel._orig_mod, eager):
+        del m.forward
+    Net.forward = lambda self, x: self.b(self.a(x).sigmoid())  # on the class
+    for _ in range(3):
+        _step_both(cmodel, eager, x, opts)
+    for p, q in zip(cmodel.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def test_a_subclass_that_overrides_call_runs_its_call_as_in_eager():
+    cmodel, eager = _twins(_Doubled)
+    x = torch.randn(8, 8)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cmodel, eager)]
+    for _ in range(8):
+        _step_both(cmodel, eager, x, opts)
+    for p, q in zip(cmodel.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)

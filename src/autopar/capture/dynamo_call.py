@@ -15,7 +15,9 @@ so those layers cost far more inside a step than a micro-benchmark shows.
 What :class:`CachedFrameCall` does on a call:
 
 1. Takes Dynamo's normal path (the ``OptimizedModule``) unless nothing but a cache lookup
-   could happen there: no hooks on the module itself and no global module hooks (they run
+   could happen there: ``model.forward`` is still the forward bound here (a forward
+   replaced on the instance or the class takes Dynamo's path, which compiles it, as
+   ``torch.compile`` does), no hooks on the module itself and no global module hooks (they run
    outside Dynamo, in ``nn.Module.__call__``), the default stance, Dynamo enabled, no
    tracing (Dynamo, fx, jit) and no profiler (Dynamo's region annotations stay), no
    compiled-autograd context to enter, keyword arguments that bind plainly.
@@ -83,6 +85,11 @@ class CachedFrameCall:
             func = forward.__func__
             self._func, self._code = func, func.__code__
             self._bind = _Binder(func)
+            # What ``model.forward`` resolves to now: an instance attribute (a forward
+            # replaced with ``model.forward = ...``) or the class's function. A call checks
+            # both before it runs the code bound here; Dynamo's guards do not cover them.
+            self._own_forward = model.__dict__.get("forward")
+            self._class_forward = getattr(type(model), "forward", None)
 
     @property
     def why_not(self) -> str | None:
@@ -90,13 +97,15 @@ class CachedFrameCall:
         return self._why_not
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._why_not is None and _plain_call(self.model):
-            f_locals = self._bind(self.model, args, kwargs)
+        model = self.model
+        if (self._why_not is None and model.__dict__.get("forward") is self._own_forward
+                and type(model).forward is self._class_forward and _plain_call(model)):  # fmt: skip
+            f_locals = self._bind(model, args, kwargs)
             if f_locals is not None:
                 fn = self._lookup(f_locals)
                 if fn is not None:
                     self.direct_calls += 1
-                    return fn(self.model, *args, **kwargs)
+                    return fn(model, *args, **kwargs)
         return self.optimized(*args, **kwargs)
 
     def _lookup(self, f_locals: dict) -> types.FunctionType | None:
