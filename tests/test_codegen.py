@@ -1,4 +1,5 @@
-"""Codegen: generated programs match eager exactly for hand-made plans of 1, 2 and 4 streams."""
+"""Codegen: generated programs equal eager within the fp64 oracle for hand-made plans of 1, 2
+and 4 streams, and equal themselves bitwise run after run."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
+from oracle import assert_close_to_oracle, max_err
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten
 
 from autopar.capture.analysis import is_rng
 from autopar.codegen.executors import generate
 from autopar.errors import PlanError
 from autopar.planning.plan import Plan, Stream, Sync, node_key
+from autopar.runtime.streams import intra_op_threads
 
 TAG = "g0.fw"
 
@@ -36,12 +40,55 @@ def make_plan(gm, assign, n_streams, *, tag=TAG, order=None, device="cpu", threa
 
 
 def assert_same(a, b):
+    """Bitwise equal: only for the SAME program run twice (a fixed thread count per stream),
+    never for two code paths (see :func:`assert_like_eager`)."""
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b)
     else:
         assert type(a) is type(b) and len(a) == len(b)
         for x, y in zip(a, b, strict=True):
             assert_same(x, y)
+
+
+def eager_results(fn, args, seed=None):
+    """What a program's results are judged by (:func:`assert_like_eager`): ``fn(*args)``
+    eagerly at the caller's intra-op thread count and at one thread (a stream's), and in
+    float64 on the same inputs. ``seed`` is set before each run (the same dropout masks);
+    each run gets fresh copies of the inputs (``fn`` may write into one)."""
+
+    def run(f64=False):
+        xs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        xs = [a.double() if f64 and _is_float(a) else a for a in xs]
+        if seed is not None:
+            torch.manual_seed(seed)
+        return fn(*xs)
+
+    many = run()
+    with intra_op_threads(1):
+        one = run()
+    return many, one, run(f64=True)
+
+
+def assert_like_eager(tag, got, want):
+    """``got`` equals eager within the fp64 oracle: each float result is no further from the
+    float64 reference than twice the farther of the two eager runs (``want``, from
+    :func:`eager_results`). Not bitwise: the streams run one intra-op thread and eager may
+    run more, so reductions and GEMMs round differently (and differently per CPU). Integer
+    and bool results (dropout masks) are exact."""
+    (leaves, spec), (many, want_spec) = tree_flatten(got), tree_flatten(want[0])
+    assert spec == want_spec, f"{tag}: {spec} != {want_spec}"
+    one, ref = tree_flatten(want[1])[0], tree_flatten(want[2])[0]
+    for i, (g, a, b, f) in enumerate(zip(leaves, many, one, ref, strict=True)):
+        if not _is_float(a):
+            assert torch.equal(g, a) if isinstance(g, torch.Tensor) else g == a, f"{tag} {i}"
+            continue
+        assert g.shape == a.shape and g.dtype == a.dtype, (tag, i, g.shape, a.shape)
+        worse = a if max_err(a, f) >= max_err(b, f) else b  # both are valid eager runs
+        assert_close_to_oracle(f"{tag} output {i}", g, worse, f)
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def branches(x, w):
@@ -73,7 +120,7 @@ def test_serial_plan_is_straight_line_code():
     ]
     body = prog.source.split("def forward", 1)[1]
     assert re.findall(r"aten\.[\w.]+", body) == re.findall(r"aten\.[\w.]+", gm.code)
-    assert_same(prog.fn(*ARGS), gm(*ARGS))
+    assert_like_eager("serial", prog.fn(*ARGS), eager_results(gm, ARGS))
     assert "# plan hash:" in prog.source and torch.__version__ in prog.source
 
 
@@ -81,10 +128,13 @@ def test_serial_plan_is_straight_line_code():
 @pytest.mark.parametrize("fn,args", [(branches, ARGS), (backward_like, BW_ARGS)])
 def test_streams_match_eager(fn, args, n_streams):
     gm = make_fx(fn)(*args)
+    want = eager_results(gm, args)
     for assign in (lambda i, n: i, lambda i, n: hash(n.name) // 7):
         prog = generate(gm, make_plan(gm, assign, n_streams), TAG)
-        for _ in range(3):  # reused pool; bit-identical every time
-            assert_same(prog.fn(*args), gm(*args))
+        first = prog.fn(*args)
+        assert_like_eager(f"{n_streams} streams", first, want)
+        for _ in range(2):  # reused pool: the same program, bit-identical every time
+            assert_same(prog.fn(*args), first)
 
 
 def test_four_branches_one_per_stream_waits_only_on_data():
@@ -93,7 +143,7 @@ def test_four_branches_one_per_stream_waits_only_on_data():
     branch_of.update({"sin": 2, "mul": 2, "add": 3, "sigmoid": 3, "exp": 3})
     plan = make_plan(gm, lambda i, n: branch_of.get(n.name, 0), 4)
     prog = generate(gm, plan, TAG)
-    assert_same(prog.fn(*ARGS), gm(*ARGS))
+    assert_like_eager("four branches", prog.fn(*ARGS), eager_results(gm, ARGS))
     # stream 0 waits once per other branch (before cat); workers never wait
     assert prog.source.count("w(") == 3
     for sid in (1, 2, 3):
@@ -124,9 +174,10 @@ def test_inplace_copy_into_input_keeps_eager_order():
     assert not any(s.src.endswith("/sum_1") and s.dst.endswith("/copy_") for s in plan.syncs)
     prog = generate(gm, plan, TAG)
     x, buf = torch.randn(4), torch.randn(4)
-    b1, b2 = buf.clone(), buf.clone()
-    assert_same(prog.fn(x, b1), f(x, b2))
-    assert torch.equal(b1, b2)
+    b1 = buf.clone()
+    assert_like_eager("in place", prog.fn(x, b1), eager_results(f, [x, buf]))
+    # the buffer holds the write, made once (what eager leaves: x * 2)
+    assert_close_to_oracle("buffer", b1, x * 2, x.double() * 2)
     # a plan running the write before the earlier read is rejected
     order = [node_key(TAG, n) for n in names]
     order.remove(node_key(TAG, "sum_1"))
@@ -149,8 +200,8 @@ def test_dropout_on_worker_is_moved_to_stream_0_and_matches_eager():
     assert prog.notes and all("moved" in s for s in prog.notes)
     torch.manual_seed(0)
     got = prog.fn(x)
-    torch.manual_seed(0)
-    assert torch.equal(got, f(x))
+    # the same seed, the same masks: a mask drawn out of order would be far off the oracle
+    assert_like_eager("dropout", got, eager_results(f, [x], seed=0))
 
 
 def test_rng_reordered_is_rejected():
@@ -192,7 +243,7 @@ def test_other_graphs_nodes_in_plan_are_ignored():
     plan = make_plan(gm, lambda i, n: i, 2)
     extra = plan.placements + (("g0.bw/mm", 1),)
     plan = plan.replace(placements=tuple(sorted(extra)), order=plan.order + ("g0.bw/mm",))
-    assert_same(generate(gm, plan, TAG).fn(*ARGS), gm(*ARGS))
+    assert_like_eager("other graphs", generate(gm, plan, TAG).fn(*ARGS), eager_results(gm, ARGS))
 
 
 # -- random DAGs ------------------------------------------------------------------------------
@@ -249,7 +300,7 @@ def random_case(seed: int, n_ops: int, n_streams: int):
 def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
     gm, args, plan = random_case(seed, n_ops, n_streams)
     prog = generate(gm, plan, TAG)
-    assert_same(prog.fn(*args), gm(*args))
+    assert_like_eager(f"seed {seed}", prog.fn(*args), eager_results(gm, args))
 
 
 # -- CUDA (structural: no GPU here) ----------------------------------------------------------

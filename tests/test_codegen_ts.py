@@ -1,4 +1,5 @@
-"""TorchScript executor: scripted segments with fork/wait match eager; fallback with a reason."""
+"""TorchScript executor: scripted segments with fork/wait equal eager within the fp64 oracle;
+fallback with a reason."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from test_codegen import (
     ARGS,
     BW_ARGS,
     TAG,
-    assert_same,
+    assert_like_eager,
     backward_like,
     branches,
+    eager_results,
     make_plan,
     random_case,
     write_then_dropout,
@@ -41,11 +43,12 @@ def _fallback(prog) -> list[str]:
 @pytest.mark.parametrize("fn,args", [(branches, ARGS), (backward_like, BW_ARGS)])
 def test_streams_match_eager(fn, args, n_streams):
     gm = make_fx(fn)(*args)
+    want = eager_results(gm, args)
     for assign in (lambda i, n: i, lambda i, n: hash(n.name) // 7):
         prog = generate_ts(gm, make_plan(gm, assign, n_streams), TAG)
         assert _is_ts(prog), prog.notes
         for _ in range(3):  # the profiling executor optimises after the first runs
-            assert_same(prog.fn(*args), gm(*args))
+            assert_like_eager(f"{n_streams} streams", prog.fn(*args), want)
 
 
 def test_switch_and_env(monkeypatch):
@@ -72,12 +75,12 @@ def test_inplace_and_rng_keep_eager_order():
     assert any("moved" in n for n in prog.notes)
     for _ in range(3):
         buf = torch.randn(64)
-        b1, b2 = buf.clone(), buf.clone()
+        b1 = buf.clone()
         torch.manual_seed(0)
         got = prog.fn(x, b1)
-        torch.manual_seed(0)
-        assert_same(got, f(x, b2))
-        assert torch.equal(b1, b2)
+        # the same seed, the same masks: a mask drawn out of order would be far off the oracle
+        assert_like_eager("in place, dropout", got, eager_results(f, [x, buf], seed=0))
+        assert_close_to_oracle("buffer", b1, x * 2, x.double() * 2)  # written once: x * 2
 
 
 def _py_add(a, b):
@@ -97,7 +100,7 @@ def test_unsupported_graph_falls_back_with_reason():
     assert len(_fallback(prog)) == 1 and "Python callable" in _fallback(prog)[0]
     assert "_rt.run_streams" in prog.source  # the Python executor's program
     x = torch.randn(4)
-    assert_same(prog.fn(x), f(x))
+    assert_like_eager("fallback", prog.fn(x), eager_results(f, [x]))
 
 
 def test_errors_surface_and_nothing_hangs():
@@ -105,7 +108,7 @@ def test_errors_surface_and_nothing_hangs():
     prog = generate_ts(gm, make_plan(gm, lambda i, n: i, 2), TAG)
     with pytest.raises(RuntimeError):
         prog.fn(torch.randn(8, 16), torch.randn(3, 3))  # mm shape mismatch on a stream
-    assert_same(prog.fn(*ARGS), gm(*ARGS))  # and the program still works
+    assert_like_eager("after an error", prog.fn(*ARGS), eager_results(gm, ARGS))  # still works
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,8 +117,9 @@ def test_random_dags_random_plans_match_eager(seed, n_ops, n_streams):
     gm, args, plan = random_case(seed, n_ops, n_streams)
     prog = generate_ts(gm, plan, TAG)
     assert _is_ts(prog), prog.notes
+    want = eager_results(gm, args)
     for _ in range(2):
-        assert_same(prog.fn(*args), gm(*args))
+        assert_like_eager(f"seed {seed}", prog.fn(*args), want)
 
 
 def _worse(a, b, ref):

@@ -6,6 +6,7 @@ import copy
 
 import torch
 import torch.nn as nn
+from oracle import assert_close_to_oracle
 
 import autopar
 from autopar.profiling.store import ProfileStore
@@ -104,20 +105,27 @@ def test_gradient_accumulation():
         torch.testing.assert_close(pc, pe, rtol=1e-4, atol=1e-6)
 
 
-def test_manual_seed_reproducible_bit_identical():
+def test_manual_seed_reproducible_within_the_fp64_oracle():
+    """Two fresh compiles under the same seeds draw eager's dropout masks: each run's losses
+    and gradients equal eager's within the fp64 oracle (eager in float64, same seeds: a mask
+    that differed would be far off). Not bitwise: each compile measures and picks its own
+    programs, whose streams run at other thread counts than eager, so rounding differs."""
     model, (x,) = zoo.build("dropout")
 
-    def run():
-        comp = _compile(copy.deepcopy(model))
+    def run(m, x):
         out = []
-        for step in range(3):  # the profiling call, then the program
+        for step in range(3):  # compiled: the profiling call, then the program
             torch.manual_seed(100 + step)
-            loss = comp(x).square().mean()
+            loss = m(x).square().mean()
             loss.backward()
-            out.append((loss.detach().clone(), _grads(comp)))
+            out.append((loss.detach().clone(), _grads(m)))
         return out
 
-    a, b = run(), run()
-    for (la, ga), (lb, gb) in zip(a, b, strict=True):
-        assert torch.equal(la, lb)
-        assert all(torch.equal(u, v) for u, v in zip(ga, gb, strict=True))
+    eager = run(copy.deepcopy(model), x)
+    ref = run(copy.deepcopy(model).double(), x.double())
+    for k in range(2):
+        got = run(_compile(copy.deepcopy(model)), x)
+        for step, ((lg, gg), (le, ge), (lr, gr)) in enumerate(zip(got, eager, ref, strict=True)):
+            assert_close_to_oracle(f"run {k} step {step} loss", lg, le, lr)
+            for i, (g, e, r) in enumerate(zip(gg, ge, gr, strict=True)):
+                assert_close_to_oracle(f"run {k} step {step} grad {i}", g, e, r)

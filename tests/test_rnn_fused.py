@@ -124,7 +124,9 @@ def test_fused_forms_match_eager(kind, case, form, mode):
     for k, (a, e, r) in enumerate(zip(got_out, eager_out, ref_out, strict=True)):
         assert a.shape == e.shape, (k, a.shape, e.shape)
         assert_close_to_oracle(f"{case}/{form}/{mode} output {k}", a, e, r)
-        if form == "fused" and kind == "lstm":  # the op aten::lstm runs on CPU: bit-identical
+        if form == "fused" and kind == "lstm":
+            # The same code path, so bitwise: the fused form calls the very op eager's
+            # aten::lstm runs on CPU (mkldnn_rnn_layer), at the same thread count (the fixture's).
             assert torch.equal(a, e), f"output {k}"
     assert got_grads.keys() == eager_grads.keys()
     for name in got_grads:

@@ -166,7 +166,8 @@ def test_inplace_write_keeps_eager_order():
         x, buf = torch.randn(4), torch.randn(4)
         b1, b2 = buf.clone(), buf.clone()
         got, want = prog.fn(x, b1), f(x, b2)
-        assert torch.equal(b1, b2)
+        # written once (x * 2), by an Inductor kernel, not eager's: the fp64 oracle judges
+        assert_close_to_oracle("buffer", b1, b2, x.double() * 2)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b)
 
