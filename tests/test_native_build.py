@@ -2,11 +2,14 @@
 file only its holder removes, so a warm-up worker killed while it compiled (the training
 process exited) once made every later build wait forever, and the training paid the
 compile's share of every step meanwhile. No compiler runs here: ``compile_it`` stands in
-for torch's build."""
+for torch's build. Without a compiler the interpreter is off, the log says why once, and
+the tests that need it skip, saying why."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,3 +103,69 @@ def test_a_stopped_build_is_not_started_again_for_the_next_graph(monkeypatch):
     first.cancelled = False  # failed by itself instead: tried again
     assert native_tier.start_native_build() is not first
     assert len(jobs) == 2
+
+
+#: Without a compiler: what cannot_build says under $CXX and under $PATH, and what
+#: available() and load() do (the log line once, however often they are asked).
+_NO_COMPILER = """
+import json, logging, os, sys
+from autopar.runtime import native
+
+lines = []
+handler = logging.Handler()
+handler.emit = lambda r: lines.append(r.getMessage())
+logging.getLogger("autopar").addHandler(handler)
+reasons = [native.cannot_build()]
+cxx = os.environ.pop("CXX")
+os.environ["PATH"] = sys.argv[1]  # a directory without c++
+reasons.append(native.cannot_build())
+os.environ["CXX"] = cxx
+states = [native.available(), native.available()]
+errors = []
+for build in (False, True):
+    try:
+        native.load(build=build)
+    except RuntimeError as e:
+        errors.append(str(e))
+print(json.dumps({"reasons": reasons, "states": states, "errors": errors, "lines": lines}))
+"""
+
+
+def _without_a_compiler(tmp_path) -> dict[str, str]:
+    """This environment with ``$CXX`` naming no compiler and an empty extension cache (so
+    nothing is built: a finished build would load without a compiler)."""
+    return {**os.environ, "CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+
+
+def test_without_a_compiler_the_interpreter_is_off_and_the_log_says_so_once(tmp_path):
+    """No C++ compiler: not "not built yet" (no build will come), but why, once."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER, str(empty)], capture_output=True,
+                         text=True, timeout=300, env=_without_a_compiler(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["reasons"] == ["no C++ compiler found ($CXX=/nonexistent/c++ not found)",
+                              "no C++ compiler found (c++ not on $PATH)"]  # fmt: skip
+    assert got["states"] == [False, False]
+    assert len(got["errors"]) == 2
+    for e in got["errors"]:
+        assert e.startswith("no C++ compiler found") and "not built yet" not in e
+    assert got["lines"] == [
+        "autopar: no C++ compiler found ($CXX=/nonexistent/c++ not found); the native "
+        "interpreter is off and planned programs run in Python, slower"
+    ]
+
+
+def test_the_native_tests_skip_without_a_compiler(tmp_path):
+    """Their module fixture asks native.cannot_build: skipped, with the reason, not errors."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
+         os.path.join(tests, "test_native.py"), os.path.join(tests, "test_native_direct.py")],
+        capture_output=True, text=True, timeout=600, env=_without_a_compiler(tmp_path),
+        cwd=os.path.dirname(tests),
+    )  # fmt: skip
+    summary = out.stdout.strip().splitlines()[-1]  # "32 skipped in 5.1s": no error, no pass
+    assert out.returncode == 0 and re.fullmatch(r"\d+ skipped in .*", summary), out.stdout[-3000:]
+    assert "no C++ compiler found ($CXX=/nonexistent/c++ not found)" in out.stdout

@@ -1,6 +1,6 @@
 """runtime.native_direct: a training graph whose halves both run native programs runs them
 through the C++ autograd function (interp.cpp's DirectFunction). Training through it
-equals eager (fp64 oracle) and the Python function bitwise; autograd's rules hold (saved
+equals eager and the Python function within the fp64 oracle; autograd's rules hold (saved
 tensors' versions, retain_graph, create_graph, non-differentiable outputs, saved-tensor
 hooks); the monitor still sees every call; a swapped program ends the path."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from oracle import check_training
+from oracle import assert_close_to_oracle, check_training
 
 import autopar
 from autopar.codegen.emit import Boxed
@@ -23,6 +23,9 @@ from autopar.tools import zoo
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
+    why = native.cannot_build()  # no C++ compiler: every test here skips, saying so
+    if why is not None:
+        pytest.skip(f"autopar's native interpreter cannot be built: {why}")
     native.load()  # the build, once: every test here runs the interpreter
 
 
@@ -65,26 +68,32 @@ def test_zoo_trains_like_eager_through_the_native_path(name):
     assert _direct(cmodel).native is not None  # the checked step ran the native path
 
 
-def test_the_native_path_equals_the_python_function_bitwise(monkeypatch):
+def test_the_native_path_equals_the_python_function_within_the_fp64_oracle(monkeypatch):
+    """Six SGD steps through the native path and through the Python function: parameters
+    equal within the fp64 oracle (the same steps in float64), with the Python function's
+    error as the bar. Not bitwise: the two paths are different code (C++ and Python) that
+    may call other kernels or thread counts, and those round differently per CPU."""
     torch.manual_seed(0)
     model, (x,) = zoo.build("towers")
     y = torch.randn(x.shape[0], 1)
-    models, opts = [], []
+    ref = copy.deepcopy(model).double()
+    models, steps = [], []
     for on in (True, False):
         m = copy.deepcopy(model)
         cm = _compile(m)
         cm._autopar_pipeline.native_paths.on = on
         models.append((m, cm))
-        opts.append(torch.optim.SGD(m.parameters(), lr=0.1))
+        steps.append((cm, x, y, torch.optim.SGD(m.parameters(), lr=0.1)))
+    steps.append((ref, x.double(), y.double(), torch.optim.SGD(ref.parameters(), lr=0.1)))
     for _ in range(6):
-        for (_m, cm), opt in zip(models, opts, strict=True):
+        for m, xs, ys, opt in steps:
             opt.zero_grad()
-            F.mse_loss(cm(x), y).backward()
+            F.mse_loss(m(xs), ys).backward()
             opt.step()
     (a, ca), (b, cb) = models
     assert _direct(ca).native is not None and _direct(cb).native is None
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        assert torch.equal(p, q)
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), ref.parameters(), strict=True):
+        assert_close_to_oracle(n, p, q, r)
 
 
 def test_autograd_rules_hold_on_the_native_path():

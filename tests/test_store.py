@@ -275,22 +275,48 @@ def test_orphaned_temporary_files_are_removed(tmp_path):
 
 def test_flush_names_its_temporary_file_after_its_writer(tmp_path, monkeypatch):
     """The pid in the name is what lets a later flush tell a killed writer's file."""
-    import tempfile
-
     seen = []
-    real = tempfile.mkstemp
+    real = os.replace
 
-    def spy(*args, **kwargs):
-        fd, name = real(*args, **kwargs)
-        seen.append(os.path.basename(name))
-        return fd, name
+    def spy(src, dst):
+        seen.append(os.path.basename(src))
+        return real(src, dst)
 
-    monkeypatch.setattr(tempfile, "mkstemp", spy)
+    monkeypatch.setattr(os, "replace", spy)
     store = ProfileStore(tmp_path / "p.json")
     store.put("s" * 16, REC)
     store.flush()
     (name,) = seen
     assert name.startswith(f"p.json.{host_tag()}-{os.getpid()}.") and name.endswith(".tmp")
+
+
+def test_a_rewritten_store_file_keeps_its_mode(tmp_path):
+    """A store shared by a group (mode 0664, say) stays shared after another flush: the
+    temporary file that replaces it must not keep its own 0600."""
+    path = tmp_path / "p.json"
+    store = ProfileStore(path)
+    store.put("a" * 16, REC)
+    store.flush()
+    for mode in (0o664, 0o640, 0o600):
+        os.chmod(path, mode)
+        store.put(f"{mode:o}" * 4, REC)
+        store.flush()
+        assert os.stat(path).st_mode & 0o7777 == mode
+        assert f"{mode:o}" * 4 in ProfileStore(path)  # rewritten, not left alone
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_new_store_file_gets_the_umasks_mode(tmp_path, umask):
+    """As a plain open() would create it: 0o666 less the process umask."""
+    path = tmp_path / "p.json"
+    store = ProfileStore(path)
+    store.put("a" * 16, REC)
+    old = os.umask(umask)
+    try:
+        store.flush()
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o7777 == 0o666 & ~umask
 
 
 # -- the key -------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The warm-up worker (``autopar.codegen.warmup``): one background process compiles the
 tiers' candidates one job after another, at ``SCHED_IDLE``; failures, cancels and a dead
-worker are reported per job, and the next job still runs."""
+worker are reported per job, and the next job still runs; the worker runs isolated from the
+training's directory, and no job file outlives its job."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ THIS = "autopar.codegen.warmup"  # its own job writes the worker's pid and polic
 
 
 def _ran_in(job, path) -> dict:
+    """What the job ``spawn_warmup(THIS, path)`` wrote (to ``<path>.out``: ``path`` is the
+    job file, deleted when the job ends)."""
     job.wait(timeout=300)
     assert job.returncode == 0, warmup_error(job)
-    with open(path) as f:
+    with open(f"{path}.out") as f:
         return json.load(f)
 
 
@@ -48,9 +51,9 @@ def test_a_queued_job_can_be_cancelled(tmp_path):
     first, second = tmp_path / "1.json", tmp_path / "2.json"
     j1, j2 = spawn_warmup(THIS, str(first)), spawn_warmup(THIS, str(second))
     j2.kill()  # still queued behind j1: never sent
-    assert j2.poll() == -9 and not second.exists()
+    assert j2.poll() == -9
     _ran_in(j1, first)
-    assert not second.exists()
+    assert not os.path.exists(f"{second}.out")
 
 
 def test_a_killed_worker_is_replaced(tmp_path):
@@ -131,3 +134,66 @@ def test_killing_a_worker_kills_the_compilers_it_started():
         time.sleep(0.05)
     else:
         raise AssertionError("the worker's child outlived it")
+
+
+def test_the_worker_runs_isolated_from_the_training_directory(tmp_path, monkeypatch):
+    """A module in the directory the training runs in (or on its PYTHONPATH) is not the
+    worker's: it runs ``python -I`` in a directory of its own, removed when it ends, and
+    imports this autopar package."""
+    import autopar
+
+    user = tmp_path / "training"
+    user.mkdir()
+    (user / "json.py").write_text("raise ImportError('the training directory was imported')\n")
+    monkeypatch.chdir(user)
+    monkeypatch.setenv("PYTHONPATH", str(user))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))  # a fresh worker
+    p = tmp_path / "p.json"
+    got = _ran_in(spawn_warmup(THIS, str(p)), p)
+    home = got["cwd"]
+    assert os.path.realpath(home) != os.path.realpath(user)
+    assert not {str(user), ""} & set(got["sys_path"])
+    assert got["autopar"] == os.path.dirname(autopar.__file__)
+    proc = warmup._WORKER._proc
+    assert proc.pid == got["pid"] and os.path.isdir(home)
+    proc.stdin.close()  # the worker ends (as if idle): its directory goes with it
+    proc.wait(timeout=60)
+    for _ in range(100):
+        if not os.path.exists(home):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(home)
+
+
+def test_no_job_file_outlives_its_job(tmp_path):
+    """A job's file (a pickled graph in $TMPDIR) is deleted when the job ends: finished,
+    cancelled while queued, or stopped at exit (the worker deletes it only when it loads
+    it; this module's own job never does)."""
+    files = [tmp_path / f"{name}.pt" for name in ("done", "cancelled", "running", "queued")]
+    for f in files:
+        f.write_bytes(b"a pickled graph")
+    done, cancelled, running, queued = files
+    first, second = spawn_warmup(THIS, str(done)), spawn_warmup(THIS, str(cancelled))
+    second.kill()  # queued behind the first
+    assert second.poll() == -9 and not cancelled.exists()
+    _ran_in(first, done)
+    assert not done.exists()
+
+    worker = warmup._Worker()  # another training process's, stopped at its exit
+    jobs = [worker.submit(THIS, str(running)), worker.submit(THIS, str(queued))]
+    proc = worker._proc
+    worker.stop()
+    assert [j.poll() for j in jobs] == [-9, -9]
+    assert not running.exists() and not queued.exists()
+    assert proc.poll() is not None and not os.path.exists(proc.home)
+
+
+def test_relative_directories_reach_the_worker_absolute(tmp_path, monkeypatch):
+    """The worker runs in a directory of its own: a relative cache directory would name
+    another place there (its native build would be lost with that directory)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "ext")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "inductor")
+    env = warmup._compile_env()
+    assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(os.getcwd(), "ext")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(os.getcwd(), "inductor")

@@ -8,8 +8,17 @@ box), and a model queues several candidates (HF BERT three: Inductor forward, ba
 joint; the Inception model four). Why it runs at ``SCHED_IDLE``: :func:`yield_cpu`.
 
 A job is ``<module>._warmup_main(path)``: the module's own warm-up (``codegen.inductor``,
-``codegen.joint``, ``runtime.segment_runner``) on the job file its parent wrote. Protocol
-of ``python -m autopar.codegen.warmup <parent pid>``: one JSON line per job on its stdin
+``codegen.joint``, ``runtime.segment_runner``) on the job file its parent wrote. The job
+file is the job's: the worker deletes it when it loads it, and the parent when the job ends
+for any reason (finished, failed, cancelled, stopped at exit), so that a pickled graph
+never stays in ``$TMPDIR``.
+
+Why the worker runs isolated (``python -I``, in a private temporary directory, removed when
+it ends): it must import the training's autopar and nothing of the directory the training
+runs in (a ``json.py`` there was imported by it) nor of ``PYTHONPATH``; the parent passes
+the directory that holds its ``autopar`` package, which the worker appends to ``sys.path``
+where it is missing. Protocol of the worker (:data:`_BOOT`, with that directory and the
+parent's pid as arguments): one JSON line per job on its stdin
 (``{"id", "module", "path"}``), one per finished job on its stdout (``{"id", "rc",
 "error"}``); everything else it prints goes to an unnamed temp file (its log), never to a
 pipe nobody reads. The parent feeds one job at a time, so that cancelling a queued job
@@ -34,6 +43,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +56,21 @@ IDLE_EXIT_S = 60.0
 #: Environment variables whose prefix this names are read by the compiles: a worker started
 #: under other values is replaced before the next job.
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "TRITON_", "AUTOPAR_", "OMP_")
+#: Directories among them: the worker gets them absolute (_compile_env).
+_DIR_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR", "TORCH_HOME",
+             "AUTOPAR_PROFILE_DIR", "AUTOPAR_DEBUG_DIR")  # fmt: skip
+#: The directory that holds this ``autopar`` package: the worker imports the same one.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The worker's start (``python -I -c _BOOT <package root> <parent pid>``): ``-I`` leaves the
+#: working directory and ``PYTHON*`` variables off ``sys.path``; the package root is appended
+#: (after the standard library and site-packages, so a stray module there shadows nothing).
+_BOOT = (
+    "import sys\n"
+    "if sys.argv[1] not in sys.path:\n"
+    "    sys.path.append(sys.argv[1])\n"
+    "from autopar.codegen.warmup import _worker_main\n"
+    "sys.exit(_worker_main(int(sys.argv[2])))\n"
+)
 
 
 def yield_cpu(pid: int = 0) -> None:
@@ -133,6 +158,9 @@ class WarmupJob:
     def _finish(self, rc: int, error: str) -> None:
         if self.returncode is None:
             self.returncode, self.error = rc, error
+            # the job file is no one's now (a worker that loaded it deleted it already)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             self._done.set()
 
 
@@ -147,6 +175,7 @@ class _Worker:
         self._queue: collections.deque[WarmupJob] = collections.deque()
         self._running: WarmupJob | None = None
         self._proc: subprocess.Popen | None = None
+        self._workers: set[subprocess.Popen] = set()  # started, not yet ended and cleaned up
         self._env: dict[str, str] | None = None  # the compile settings it started with
         self._stopped = False  # the training process is exiting
 
@@ -174,14 +203,23 @@ class _Worker:
             self._lock.release()
 
     def stop(self) -> None:
-        """At exit: no more jobs, the worker killed (jobs left unfinished are cancelled)."""
+        """At exit: no more jobs, the worker killed, the jobs left unfinished cancelled (their
+        files deleted) and the worker's directory removed: its reader thread, which would
+        do both, may never run again before the process ends."""
         with self._lock:
             self._stopped = True
-            for job in self._queue:
-                job._finish(-9, "cancelled")
+            left = [*self._queue, *([self._running] if self._running is not None else [])]
             self._queue.clear()
-            if self._proc is not None and self._proc.poll() is None:
-                _kill_group(self._proc)
+            workers = list(self._workers)  # a replaced one may still be ending (_start)
+            for proc in workers:
+                if proc.poll() is None:
+                    _kill_group(proc)
+            for job in left:
+                job._finish(-9, "cancelled")
+        for proc in workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)  # killed: gone in milliseconds, and its directory unused then
+            _remove_home(proc)
 
     def _feed(self) -> None:
         """Send the next job if none runs (under the lock)."""
@@ -210,14 +248,23 @@ class _Worker:
         # Its own process group (a Ctrl-C in the terminal interrupts the training, not the
         # compile) but not its own session: see yield_cpu.
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "autopar.codegen.warmup", str(os.getpid())],
-            env={**full, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=log, **group,
-        )  # fmt: skip
+        # A working directory of its own (module docstring); what it or its compilers leave
+        # there goes with it (_remove_home).
+        home = tempfile.mkdtemp(prefix="autopar-warmup-")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOT, _PACKAGE_ROOT, str(os.getpid())],
+                env={**full, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log, cwd=home, **group,
+            )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(home, ignore_errors=True)
+            log.close()
+            raise
         yield_cpu(proc.pid)  # at once: importing torch alone takes seconds of CPU
-        proc.log = log
+        proc.log, proc.home = log, home
         self._proc, self._env = proc, env
+        self._workers.add(proc)
         threading.Thread(target=self._read, args=(proc,), daemon=True,
                          name="autopar-warmup-reader").start()  # fmt: skip
 
@@ -248,6 +295,8 @@ class _Worker:
                 else:  # twice: the job itself kills it
                     job._finish(rc or 1, f"the warm-up worker exited ({rc}): {_last_line(proc)}")
             self._feed()
+            self._workers.discard(proc)
+        _remove_home(proc)
         for f in (proc.stdin, proc.stdout, getattr(proc, "log", None)):
             try:
                 f.close()
@@ -270,6 +319,13 @@ def _kill_group(proc) -> None:
         proc.kill()
 
 
+def _remove_home(proc) -> None:
+    """Remove the ended worker ``proc``'s working directory (``_Worker._start``)."""
+    home = getattr(proc, "home", None)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def _kill_own_group() -> None:
     """The worker's own end (its parent is gone): its compilers with it, when it leads its
     process group (started by ``_Worker``, not from a shell script's group)."""
@@ -289,13 +345,17 @@ def _last_line(proc) -> str:
 
 def _compile_env() -> dict[str, str]:
     """The settings a compile depends on beyond its job file: the Inductor cache directory
-    (as Inductor would pick it, without creating it) and the variables of ``_ENV_PREFIXES``."""
+    (as Inductor would pick it, without creating it) and the variables of ``_ENV_PREFIXES``,
+    the directories of :data:`_DIR_VARS` made absolute (the worker runs in a directory of
+    its own: a relative one would name another place there)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
     if "TORCHINDUCTOR_CACHE_DIR" not in env:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         env["TORCHINDUCTOR_CACHE_DIR"] = default_cache_dir()
-    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(env["TORCHINDUCTOR_CACHE_DIR"])
+    for k in _DIR_VARS:
+        if env.get(k):
+            env[k] = os.path.abspath(env[k])
     return env
 
 
@@ -316,11 +376,17 @@ def warmup_error(job: WarmupJob) -> str:
 
 # -- the worker's side ----------------------------------------------------------------------
 def _warmup_main(path: str, parent: int | None = None) -> int:
-    """This module's own job: write the worker's pid, scheduling policy and session to
-    ``path`` (JSON). Shows which process ran a job, and that it yields the CPU (tests)."""
+    """This module's own job: write the worker's pid, scheduling policy, session, working
+    directory, ``sys.path`` and ``autopar`` package to ``<path>.out`` (JSON; not ``path``,
+    the job file, which the parent deletes when the job ends). Shows which process ran a
+    job, that it yields the CPU, and where it runs (tests)."""
+    import autopar
+
     policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-    with open(path, "w") as f:
-        json.dump({"pid": os.getpid(), "policy": policy, "sid": os.getsid(0)}, f)
+    with open(path + ".out", "w") as f:
+        json.dump({"pid": os.getpid(), "policy": policy, "sid": os.getsid(0),
+                   "cwd": os.getcwd(), "sys_path": sys.path,
+                   "autopar": os.path.dirname(autopar.__file__)}, f)  # fmt: skip
     return 0
 
 
@@ -352,5 +418,5 @@ def _worker_main(parent: int) -> int:
         replies.flush()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # by hand (the parent starts it isolated: _BOOT)
     sys.exit(_worker_main(int(sys.argv[1])))

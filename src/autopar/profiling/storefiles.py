@@ -8,7 +8,9 @@ files and the clean-up of temporary files a killed writer left behind.
   release (waiters must share its inode); it is empty and harmless.
 * ``write_atomically(path, text)``: a temporary file named after its writer
   (``<name>.<host>-<pid>.<random>.tmp``), fsynced, ``os.replace``-d over ``path``, and the
-  directory fsynced: a reader sees the old file or the new one, never half of one.
+  directory fsynced: a reader sees the old file or the new one, never half of one. The new
+  file keeps the mode of the one it replaces (a store shared by a group stays shared); a
+  first one gets the mode a plain ``open`` gives (``0o666`` less the umask).
 * ``remove_orphaned_tmp(path)``: temporary files whose writer is gone, or older than
   ``STALE_TMP_S``.
 * ``backup_file(path)``: moves a bad file to a fresh ``<path>.corrupt-<time>-<pid>[-N]``.
@@ -29,7 +31,7 @@ import contextlib
 import os
 import re
 import socket
-import tempfile
+import stat
 import time
 
 from filelock import FileLock
@@ -49,11 +51,18 @@ def store_lock(path: str, timeout: float = LOCK_TIMEOUT_S) -> FileLock:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Replace ``path`` by a file holding ``text``, atomically (see the module docstring)."""
+    """Replace ``path`` by a file holding ``text``, atomically, with the mode of the file it
+    replaces, or for a new one the umask's (see the module docstring)."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path), suffix=".tmp", dir=directory)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:  # a new file: the mode os.open gives it (umask applied)
+        mode = None
+    fd, tmp = _create_tmp(path, directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if mode is not None:
+                os.chmod(tmp, mode)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -63,6 +72,21 @@ def write_atomically(path: str, text: str) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+def _create_tmp(path: str, directory: str) -> tuple[int, str]:
+    """A new temporary file for ``path`` in ``directory`` (``<name>.<host>-<pid>.<random>.tmp``)
+    and its descriptor, open for writing. Not ``tempfile.mkstemp``: its files have mode
+    0600, and a new store file would keep it (the group that shares the store could no
+    longer read or write it); ``0o666`` here, less the umask, as ``open`` creates files."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f"{tmp_prefix(path)}{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:  # another writer's name (1 in 2**48): draw again
+            continue
+    raise FileExistsError(f"no free temporary file name for {path}")
 
 
 def _fsync_dir(directory: str) -> None:

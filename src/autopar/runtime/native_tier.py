@@ -72,6 +72,10 @@ def native_candidate(record, meta: list, planner, candidate):
     delay that tier by its 40-60 s."""
     if planner is None or record.table is None or record.executor != "plan":
         return None
+    from autopar.runtime import native
+
+    if native.cannot_build() is not None:  # said once, by the native module
+        return None
     if any(getattr(m, "device", "cpu") != "cpu" for m in meta):
         return None
     program = record.program

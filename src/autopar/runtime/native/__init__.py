@@ -8,7 +8,10 @@ cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``, default
 the torch version, so an edited source or another torch never loads a stale build.
 :func:`load` imports a finished build directly (milliseconds); :func:`available` says
 whether one exists without building; the pipeline's tiers build it in the warm-up worker
-process, off the training's first steps (``autopar.runtime.tiers``).
+process, off the training's first steps (``autopar.runtime.tiers``). Where no build exists
+and none can run (no C++ compiler: :func:`cannot_build`), the interpreter is off: the log
+says so once (a warning), :func:`load` raises with that reason, and planned programs run
+in Python.
 
 Example::
 
@@ -23,6 +26,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -40,6 +44,8 @@ CFLAGS = ("-O2", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _module = None
+_told = False  # the no-compiler warning was given (once a process: every graph asks)
+log = logging.getLogger("autopar")
 
 
 # -- what generated programs call --------------------------------------------------------------
@@ -149,20 +155,56 @@ def _ninja_on_path():
         os.environ["PATH"] = old
 
 
+def cannot_build() -> str | None:
+    """Why the interpreter can be neither loaded nor built in this process (``"no C++
+    compiler found (...)"``), or None: it is built already, or a build can run. The compiler
+    is the one torch's build would run (``$CXX``, else ``c++``; ``get_cxx_compiler``)."""
+    if _module is not None or _built_library() is not None:
+        return None
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    cxx = get_cxx_compiler()
+    if shutil.which(cxx) is not None:
+        return None
+    where = f"$CXX={cxx} not found" if os.environ.get("CXX") else f"{cxx} not on $PATH"
+    return f"no C++ compiler found ({where})"
+
+
+def _tell(reason: str) -> None:
+    """The one log line for an interpreter that cannot be built, once a process."""
+    global _told
+    if not _told:
+        _told = True
+        log.warning("autopar: %s; the native interpreter is off and planned programs run in "
+                    "Python, slower", reason)  # fmt: skip
+
+
 def available() -> bool:
-    """Whether the interpreter is loaded or built (loading it then takes milliseconds)."""
-    return _module is not None or _built_library() is not None
+    """Whether the interpreter is loaded or built (loading it then takes milliseconds).
+    Not built, and no build can run here (:func:`cannot_build`): False, and the log says
+    why (once)."""
+    if _module is not None or _built_library() is not None:
+        return True
+    reason = cannot_build()
+    if reason is not None:
+        _tell(reason)
+    return False
 
 
 def load(build: bool = True):
     """The interpreter's module, building it first if needed (``build=False``: raise
-    ``RuntimeError`` instead). Thread-safe; other processes wait for the build
-    (:func:`build_once`)."""
+    ``RuntimeError`` instead). Not built and no build can run (:func:`cannot_build`):
+    ``RuntimeError`` with the reason, at once (and the log line, once). Thread-safe; other
+    processes wait for the build (:func:`build_once`)."""
     global _module
     with _lock:
         if _module is not None:
             return _module
         lib = _built_library()
+        reason = cannot_build() if lib is None else None
+        if reason is not None:  # not "not built yet": no build will ever come
+            _tell(reason)
+            raise RuntimeError(f"{reason}: autopar's native interpreter cannot be built")
         if lib is None and not build:
             raise RuntimeError(
                 "autopar's native interpreter is not built yet: "

@@ -28,7 +28,9 @@
 // backward graph's ops run under the same no-grad mode as on the calling thread.
 //
 // Errors: the first exception in any stream sets the abort flag; spinning streams stop,
-// and the caller raises RuntimeError naming the node key ("g0.fw/addmm_3: <message>").
+// and the caller raises the op's error naming the node key ("g0.fw/addmm_3: <message>"):
+// torch's IndexError, ValueError, TypeError and NotImplementedError keep their type (as in
+// eager: code that catches IndexError must see one), anything else is a RuntimeError.
 
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -81,6 +83,29 @@ struct Instr {
 };
 
 struct Aborted {};
+
+// The C++ types torch's Python bindings turn into Python exceptions other than RuntimeError
+// (c10::IndexError -> IndexError, ...): an op's error is re-raised as the same type.
+enum class ErrorKind { kRuntime, kIndex, kValue, kType, kNotImplemented };
+
+ErrorKind kind_of(const c10::Error& e) {
+  if (dynamic_cast<const c10::IndexError*>(&e)) return ErrorKind::kIndex;
+  if (dynamic_cast<const c10::ValueError*>(&e)) return ErrorKind::kValue;
+  if (dynamic_cast<const c10::TypeError*>(&e)) return ErrorKind::kType;
+  if (dynamic_cast<const c10::NotImplementedError*>(&e)) return ErrorKind::kNotImplemented;
+  return ErrorKind::kRuntime;
+}
+
+[[noreturn]] void raise_as(ErrorKind kind, const std::string& msg) {
+  const auto here = c10::SourceLocation::current();
+  switch (kind) {
+    case ErrorKind::kIndex: throw c10::IndexError(here, msg);
+    case ErrorKind::kValue: throw c10::ValueError(here, msg);
+    case ErrorKind::kType: throw c10::TypeError(here, msg);
+    case ErrorKind::kNotImplemented: throw c10::NotImplementedError(here, msg);
+    default: throw std::runtime_error(msg);
+  }
+}
 
 class Program {
  public:
@@ -140,10 +165,14 @@ class Program {
     Flag abort;
     std::mutex err_mu;
     std::string error;
+    ErrorKind error_kind = ErrorKind::kRuntime;
 
-    auto fail = [&](const Instr& in, const char* what) {
+    auto fail = [&](const Instr& in, const char* what, ErrorKind kind) {
       std::lock_guard<std::mutex> g(err_mu);
-      if (error.empty()) error = in.key + ": " + what;
+      if (error.empty()) {
+        error = in.key + ": " + what;
+        error_kind = kind;
+      }
       abort.v.store(1, std::memory_order_release);
     };
     auto wait_for = [&](int e) {
@@ -167,8 +196,12 @@ class Program {
         execute(in, slots, stack);
       } catch (const Aborted&) {
         throw;
+      } catch (const c10::Error& ex) {
+        // without the C++ backtrace, as torch's bindings show an op's error
+        fail(in, ex.what_without_backtrace(), kind_of(ex));
+        throw Aborted();
       } catch (const std::exception& ex) {
-        fail(in, ex.what());
+        fail(in, ex.what(), ErrorKind::kRuntime);
         throw Aborted();
       }
       if (in.signal >= 0) events[in.signal].v.store(1, std::memory_order_release);
@@ -232,7 +265,7 @@ class Program {
       }
     }
     last_threads_ = threads;
-    if (!error.empty()) throw std::runtime_error(error);
+    if (!error.empty()) raise_as(error_kind, error);
     std::vector<c10::IValue> out;
     out.reserve(outputs_.size());
     for (int o : outputs_) out.push_back(o < 0 ? c10::IValue() : slots[o]);
