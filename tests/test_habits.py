@@ -337,3 +337,38 @@ def test_a_subclass_that_overrides_call_runs_its_call_as_in_eager():
         _step_both(cmodel, eager, x, opts)
     for p, q in zip(cmodel.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def test_two_threads_calling_one_compiled_model_match_eager_in_50_rounds():
+    """Two threads share one compiled model (each with its own batch size, so both compile
+    at once): no error, no fallback, and every gradient is eager's, in 50 of 50 rounds."""
+    import threading
+    import warnings
+
+    for r in range(50):
+        torch.manual_seed(r)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        eager = copy.deepcopy(model)
+        cmodel = _compile(model)
+        barrier, errors = threading.Barrier(2), []
+
+        def work(i: int, cmodel=cmodel, eager=eager, barrier=barrier, errors=errors) -> None:
+            try:
+                x = torch.randn(4 + 2 * i, 8, generator=torch.Generator().manual_seed(i))
+                barrier.wait()
+                for _ in range(4):
+                    g = torch.autograd.grad(cmodel(x).square().sum(), list(cmodel.parameters()))
+                    e = torch.autograd.grad(eager(x).square().sum(), list(eager.parameters()))
+                    for a, b in zip(g, e, strict=True):
+                        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", autopar.errors.FallbackWarning)
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        assert not errors, f"round {r}: {errors[0]!r}"

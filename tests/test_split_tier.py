@@ -5,8 +5,8 @@ runner and the candidate).
 The analysis and the runner's autograd are tested on uncompiled graphs (fast, float64 where
 equality matters); the tests that compile with Inductor's C++ wrapper (seconds each) share
 one small graph, so all but the first are cache hits. The native runner (``split.cpp``) is
-held to the Python runner bitwise: both call the same compiled kernels on the same halves,
-one thread each, and sum the two halves' parameter gradients the same way.
+held, like the Python runner, to the fp64 oracle against eager: both call the same compiled
+kernels on the same halves, but at one thread each, whose rounding differs between CPUs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from nets import BranchyNet, compile_and_land, dynamo_graph, race_side_by_side
-from oracle import check_training
+from oracle import assert_close_to_oracle, check_training
 
 import autopar
 import autopar.runtime.tiers as tiers
@@ -164,7 +164,7 @@ def conv_split():
     gm, args = dynamo_graph(ConvBranches(), torch.randn(4, 3, 6, 6, requires_grad=True))
     _, build, check = split_parts(gm, args, "g0")
     assert check() is None
-    return build(), args
+    return build(), args, gm
 
 
 def _batch(xs: list, args: list | None = None) -> torch.Tensor:
@@ -185,17 +185,28 @@ def _fw_bw(runner, args, seed: int = 1):
     return out, [a.grad for a in leaves], calls
 
 
-def test_the_native_split_equals_the_python_split_bitwise(conv_split):
-    program, args = conv_split
+def _check_against_oracle(run, args, gm) -> None:
+    """``run``'s outputs and every gradient against eager's and float64's (the oracle)."""
+    got, grads, calls = run
+    gm64 = copy.deepcopy(gm).double()
+    eager, eager_grads, _ = _fw_bw(gm, args)
+    ref, ref_grads, _ = _fw_bw(gm64, [a.double() if a.is_floating_point() else a for a in args])
+    assert_close_to_oracle("output", got, eager, ref)
+    for i, (g, e, r) in enumerate(zip(grads, eager_grads, ref_grads, strict=True)):
+        assert (g is None) == (e is None), i
+        if g is not None:
+            assert_close_to_oracle(f"gradient {i}", g, e, r)
+    assert len(calls) == 1  # the batch's gradient hook ran once, with the whole gradient
+
+
+def test_both_split_runners_train_like_eager(conv_split):
+    """The native runner and the Python runner each give eager's outputs and gradients
+    (judged by the fp64 oracle: they run other kernels than eager, at one thread)."""
+    program, args, gm = conv_split
     assert isinstance(program.fn, NativeSplitRunner), program.runner
     assert sum(a.requires_grad for a in args) > 1 and any(a.shape[0] == 4 for a in args)
-    out, grads, calls = _fw_bw(program.fn, args)
-    ref, ref_grads, ref_calls = _fw_bw(program.fn.python, args)
-    assert torch.equal(out, ref)
-    assert all(g is None and r is None or torch.equal(g, r)
-               for g, r in zip(grads, ref_grads, strict=True))  # fmt: skip
-    assert sum(g is not None for g in grads) == sum(a.requires_grad for a in args)
-    assert len(calls) == len(ref_calls)
+    for runner in (program.fn, program.fn.python):
+        _check_against_oracle(_fw_bw(runner, args), args, gm)
 
 
 def test_the_native_split_keeps_autograd_semantics(conv_split):
@@ -204,7 +215,7 @@ def test_the_native_split_keeps_autograd_semantics(conv_split):
     in-place change of a saved tensor raises autograd's error; a backward under
     create_graph=True gives usable results whose own backward raises the double-backward
     error."""
-    program, args = conv_split
+    program, args, _ = conv_split
     leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
     assert program.joint.fn.donated  # Inductor's default (torch._functorch.config)
     (out,) = program.fn(*leaves)
@@ -249,7 +260,7 @@ def test_a_joint_graph_that_donates_buffers_refuses_retain_graph_as_aotautograd(
     """The half-batch program through autopar's DirectGraph (as the joint tier runs a
     graph): its backward writes into saved tensors, so retain_graph=True raises
     AOTAutograd's error rather than let a second backward read overwritten values."""
-    program, args = conv_split
+    program, args, _ = conv_split
     batch = _batch(args)
     half = [a.detach()[:2].requires_grad_() if a is batch else a for a in args]
     (out,) = program.joint.fn(*half)
@@ -257,23 +268,33 @@ def test_a_joint_graph_that_donates_buffers_refuses_retain_graph_as_aotautograd(
         out.sum().backward(retain_graph=True)
 
 
-def test_saved_tensor_hooks_see_the_split_through_the_python_runner(conv_split):
-    """The native runner keeps its saved tensors itself: under saved-tensor hooks the call
-    goes to the Python runner, whose halves save through autograd (the hooks run), and the
-    gradients are the same."""
-    program, args = conv_split
+def test_saved_tensor_hooks_see_every_saved_tensor_of_both_halves(conv_split):
+    """Saved-tensor hooks are thread-local: under them both halves run on the calling
+    thread (the native runner leaves such calls to the Python runner, whose worker thread
+    would not see them), so the hooks see the saved tensors of the whole batch, and the
+    gradients are eager's."""
+    import threading
+
+    program, args, gm = conv_split
+    caller = threading.get_ident()
     packed = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
-        out, grads, _ = _fw_bw(program.fn, args)
-    assert packed
-    ref, ref_grads, _ = _fw_bw(program.fn, args)
-    assert torch.equal(out, ref)
-    assert all(g is None and r is None or torch.equal(g, r)
-               for g, r in zip(grads, ref_grads, strict=True))  # fmt: skip
+
+    def pack(t):
+        packed.append((threading.get_ident(), tuple(t.shape)))
+        return t
+
+    for runner in (program.fn, program.fn.python):
+        packed.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run = _fw_bw(runner, args)
+        assert packed and all(thread == caller for thread, _ in packed)
+        halves = [shape for _, shape in packed if shape and shape[0] == 2]  # half of 4 rows
+        assert halves and all(halves.count(s) % 2 == 0 for s in halves)  # one per half
+        _check_against_oracle(run, args, gm)
 
 
 def test_the_native_split_can_be_switched_off_and_says_so(conv_split, monkeypatch):
-    program, args = conv_split
+    program, args, _ = conv_split
     monkeypatch.setenv("AUTOPAR_NATIVE_SPLIT", "0")
     _, build, _ = split_parts(*dynamo_graph(ConvBranches(), _batch(args).detach()), "g0")
     off = build()
@@ -294,16 +315,19 @@ def test_split_steps_race_and_train_like_eager(monkeypatch):
 
 
 # Pieces for random models: row-wise ones, then ones that mix rows (flip, roll, cumsum along
-# the batch, statistics over it, a Gram matrix).
+# the batch, statistics over it, a Gram matrix) ...
 _ROW_WISE = [
     torch.relu, torch.tanh, lambda y: y * 2 + 1, lambda y: y.softmax(1),
     lambda y: F.layer_norm(y, y.shape[1:]), lambda y: torch.cat([y, y.sin()], 1)[:, :8],
     lambda y: y - y.mean(1, keepdim=True),
-    lambda y: torch.cat([y.view(y.shape[0], 2, 4).sum(1)] * 2, 1),
+    lambda y: torch.cat([y.view(-1, 2, 4).sum(1)] * 2, 1),
 ]  # fmt: skip
+# ... and ones that are row-wise in eager but not in the graph: Dynamo bakes the batch size
+# (``y.shape[0]``) into it as a number, wrong for a half batch.
 _MIXING = [
     lambda y: y.flip(0), lambda y: y.roll(1, 0), lambda y: y.cumsum(0), lambda y: y.softmax(0),
     lambda y: y - y.mean(0), lambda y: (y.t() @ y)[: y.shape[0]],
+    lambda y: torch.cat([y.view(y.shape[0], 2, 4).sum(1)] * 2, 1),
 ]  # fmt: skip
 _PIECES = _ROW_WISE + _MIXING
 
@@ -345,3 +369,47 @@ def test_property_the_analysis_splits_exactly_the_row_wise_chains():
             poked[0] += 1.0
             torch.testing.assert_close(model(poked)[1:], whole[1:])
     assert split >= 3, split
+
+
+class BakedBatch(nn.Module):
+    """``x.size(0)`` in a reshape: Dynamo bakes the batch size into the graph as a number,
+    so the graph is row-wise at full batch and wrong at half batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).reshape(x.size(0), -1, 8).sum(1))
+
+
+def test_a_batch_size_baked_into_the_graph_is_not_split():
+    gm, args = dynamo_graph(BakedBatch(), torch.randn(16, 32))
+    reason = split_reason(gm, args)
+    assert reason is not None and "half batch" in reason, reason
+
+
+def test_a_baked_batch_size_trains_like_eager_for_100_raced_steps(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+    torch.manual_seed(0)
+    model = BakedBatch()
+    _, eager, pipe, ran = race_side_by_side(model, torch.randn(16, 32), 100, eager_margin=10.0)
+    assert "split" not in ran and any("split not offered" in e for e in pipe.tiers.events)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_candidate_whose_first_call_is_wrong_leaves_the_race(monkeypatch):
+    """Were the proof wrong, the race still checks a candidate's first call against the
+    current runner's outputs: the split of a graph that baked in its batch size gives
+    other shapes, leaves the race, and training goes on equal to eager."""
+    import autopar.runtime.split_tier as split_tier
+
+    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+    monkeypatch.setattr(split_tier, "split_reason", lambda gm, args: None)  # a wrong proof
+    torch.manual_seed(0)
+    model = BakedBatch()
+    _, eager, pipe, ran = race_side_by_side(model, torch.randn(16, 32), 30, eager_margin=10.0)
+    assert any("split left the race" in e for e in pipe.tiers.events), pipe.tiers.events
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

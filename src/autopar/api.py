@@ -83,7 +83,11 @@ class CompiledModule(nn.Module):
                                    self._autopar_pipeline.recompile_limit)  # fmt: skip
         object.__setattr__(self, "_autopar_compiled", CachedFrameCall(model, optimized))
         self._autopar_signature = _signature_of(model)
-        self._autopar_lock = threading.Lock()
+        # One forward call at a time: Dynamo's and AOTAutograd's compiles are not thread-safe
+        # (two threads compiling one model raised their assertions), nor are the race's and
+        # the tiers' books. Backward passes still run concurrently. Re-entrant: a model may
+        # call itself.
+        self._autopar_lock = threading.RLock()
 
     # -- delegation: the compiled module looks like the user's module --------------------
     def __getattr__(self, name: str):
@@ -122,9 +126,10 @@ class CompiledModule(nn.Module):
         def check():
             _check_inputs(self._orig_mod, self._autopar_signature, args, kwargs)
 
-        return self._autopar_pipeline.call(
-            self._orig_mod, self._autopar_compiled, args, kwargs, check=check
-        )
+        with self._autopar_lock:
+            return self._autopar_pipeline.call(
+                self._orig_mod, self._autopar_compiled, args, kwargs, check=check
+            )
 
 
 def _recompile(model: nn.Module, options: CompileOptions, memory_store: bool = False):

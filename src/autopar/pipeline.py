@@ -34,6 +34,7 @@ from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
 from autopar.codegen.emit import Boxed
 from autopar.errors import traced_user_error, warn_fallback
 from autopar.logs import CompileProgress, env_switch
+from autopar.runtime.measure import output_meta
 from autopar.runtime.native_direct import NativePaths
 from autopar.runtime.planned import KeptPlans, native_on
 from autopar.runtime.race import StepRace
@@ -339,7 +340,37 @@ class Pipeline:
         if (id(graph) in self._graphs_done or tiers is None) and not self._backend:
             graph.on_call = None
         prog = graph.candidates.get(self.variant)
-        return (prog.fn if prog is not None else graph.runner)(*args)
+        if prog is None:
+            out = graph.runner(*args)
+            if graph.candidates and graph.out_meta is None:
+                graph.out_meta = output_meta(out)  # what each candidate must give
+            return out
+        if self.variant not in graph.checked:
+            return self._first_candidate_call(graph, self.variant, prog, args)
+        return prog.fn(*args)
+
+    def _first_candidate_call(self, graph, name: str, prog, args):
+        """A race candidate's first call of ``graph``: its outputs must have the shapes,
+        dtypes and devices of the current runner's; one that raises or gives others (a
+        batch split whose graph baked in a batch size) leaves the race, with its side
+        effects undone, and the current runner runs the call: a candidate never breaks
+        the user's loop."""
+        from autopar.runtime.measure import SideEffectGuard, output_mismatch, written_inputs
+
+        guard = SideEffectGuard(args, written_inputs(graph.gm))
+        try:
+            out = prog.fn(*args)
+            why = output_mismatch(out, graph.out_meta)
+        except Exception as exc:  # noqa: BLE001 - any failure: the candidate is not valid
+            why = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if why is None:
+            graph.checked.add(name)
+            return out
+        guard.restore()
+        del graph.candidates[name]
+        self.race.remove(name, self.key)
+        self.tiers.reject(graph, name, why)
+        return graph.runner(*args)
 
     def _backend_graph_call(self, graph) -> str:
         """A Dynamo graph called outside :meth:`call` (``torch.compile(backend="autopar")``,
@@ -488,7 +519,7 @@ _episode_lock = threading.RLock()
 
 def run_dir(debug_dir: str) -> str:
     """This process's folder under ``debug_dir``: ``run-<pid>-<n>``, ``n`` the first number
-    not taken (a container's pid repeats across runs), claimed once per process."""
+    not taken (a container's pid repeats across runs), claimed once per process; mode 0700."""
     root = os.path.abspath(debug_dir)
     key = (os.getpid(), root)  # a forked child claims its own
     with _names_lock:
@@ -497,7 +528,8 @@ def run_dir(debug_dir: str) -> str:
             for n in itertools.count():
                 d = os.path.join(root, f"run-{os.getpid()}-{n}")
                 try:
-                    os.mkdir(d)
+                    # only its user's: it holds the model's graphs, profile and errors
+                    os.mkdir(d, 0o700)
                 except FileExistsError:
                     continue
                 _run_dirs[key] = d

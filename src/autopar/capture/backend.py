@@ -397,7 +397,12 @@ class Capture:
                 bw_compiler=self._compiler(f"g{k}.bw", "backward", t0, k),
                 inference_compiler=self._compiler(f"g{k}.inf", "forward", t0, k),
             )
-            graph = DynamoGraph(k, gm, compiler(gm, example_inputs), self.on_graph_call)
+            # The backward is traced with the forward (under Dynamo's compile lock), not
+            # lazily in the first backward, where it would race another thread's trace:
+            # both write torch.fx.traceback's process-wide node metadata.
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                compiled = compiler(gm, example_inputs)
+            graph = DynamoGraph(k, gm, compiled, self.on_graph_call)
             with self._lock:
                 self.dynamo_graphs.append(graph)
             self._go_direct(k)  # a backward compiled at once (symbolic sizes saved)

@@ -39,6 +39,8 @@ class DynamoGraph:
         # Whole-graph programs racing ``runner`` over whole steps (``runtime.race``), by
         # tier name: the pipeline's ``on_call`` picks one per step until the race decides.
         self.candidates: dict[str, Any] = {}
+        self.checked: set[str] = set()  # candidates whose first call gave the right outputs
+        self.out_meta: list | None = None  # the runner's outputs' metadata, while racing
         self.on_call = on_call
         self.lock = threading.RLock()
         # Around the two halves: "AOTAutograd" (its runtime wrapper, with the reason) until

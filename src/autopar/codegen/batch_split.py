@@ -84,8 +84,9 @@ def batched_inputs(gm: fx.GraphModule, args: list) -> tuple[list[int], int] | st
         if source is None:
             return "the graph's inputs carry no Dynamo sources"
         name = source.name  # L['x']: an argument; L['self']...: a parameter or buffer
-        if not isinstance(a, torch.Tensor | TensorMeta) or not name.startswith("L[") \
-                or name.startswith("L['self']"):  # fmt: skip
+        state = name.startswith("L['self']") or any(
+            k in name for k in ("._parameters[", "._buffers[", "._modules["))  # any `self` name
+        if not isinstance(a, torch.Tensor | TensorMeta) or not name.startswith("L[") or state:
             continue
         if len(a.shape) == 0:
             return f"input {node.name} is a scalar tensor"
@@ -114,7 +115,36 @@ def split_reason(gm: fx.GraphModule, args: list) -> str | None:
         aten_gm = _trace(gm, args)
     except Exception as exc:  # noqa: BLE001 - a graph we cannot trace is not split
         return f"could not trace it to aten ops ({type(exc).__name__})"
-    return _rows_stay_apart(aten_gm, set(picked), batch)
+    why = _rows_stay_apart(aten_gm, set(picked), batch)
+    if why is not None:
+        return why
+    try:
+        half_gm = _trace(gm, [a[: batch // 2] if i in picked else a for i, a in enumerate(args)])
+    except Exception as exc:  # noqa: BLE001
+        return f"fails at half batch ({type(exc).__name__}: a batch size baked into the graph?)"
+    return _halves_follow(aten_gm, half_gm)
+
+
+def _halves_follow(full: fx.GraphModule, half: fx.GraphModule) -> str | None:
+    """None when the graph traced at half batch is the full one with every batch dimension
+    halved: the same ops, each batched value half as many rows and every other value the
+    same. Dynamo bakes ``x.size(0)`` into the graph as a number, so ``h.reshape(x.size(0),
+    -1, 8)`` is ``reshape(8, -1, 8)`` at any batch: run on half the rows it would move
+    values between rows. The split is proved on the program it runs, the half-batch one."""
+    a = [n for n in full.graph.nodes if n.op in ("call_function", "output")]
+    b = [n for n in half.graph.nodes if n.op in ("call_function", "output")]
+    if [n.target for n in a] != [n.target for n in b]:
+        return "traces to other ops at half batch (a size depends on the batch)"
+    for x, y in zip(a, b, strict=True):
+        vx, vy = x.meta.get("val"), y.meta.get("val")
+        shapes = [(tuple(p.shape), tuple(q.shape)) for p, q in zip(
+            torch.utils._pytree.tree_leaves(vx), torch.utils._pytree.tree_leaves(vy),
+            strict=False) if isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor)]
+        for s_full, s_half in shapes:
+            if s_half != s_full and (not s_full or s_half != (s_full[0] // 2, *s_full[1:])):
+                return (f"{x.target} gives {list(s_half)} at half batch where {list(s_full)} "
+                        "is halved (a batch size baked into the graph: x.size(0)?)")  # fmt: skip
+    return None
 
 
 def _trace(gm: fx.GraphModule, args: list) -> fx.GraphModule:

@@ -429,7 +429,13 @@ def profile_graph(
         repeats=repeats,
         single_thread=measure_single_thread,
     )
-    output = interp.run(*args)
+    # fx.Interpreter sets torch.fx.traceback's process-wide current node, which a Dynamo or
+    # AOTAutograd trace in another thread reads and counts on (two threads on one model
+    # broke each other's traces): interpret under Dynamo's compile lock, as traces run.
+    from torch._dynamo.convert_frame import compile_lock
+
+    with compile_lock:
+        output = interp.run(*args)
     store.flush()
     df = pd.DataFrame(interp.rows, columns=COLUMNS)
     df["time_s"] = df["time_s"].astype(float)

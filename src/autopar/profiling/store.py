@@ -482,9 +482,8 @@ class ProfileStore:
 
     def _refuse(self, refused: dict[str, str]) -> None:
         """One ``StoreWarning`` naming the file and the entries whose call description names
-        something autopar does not run (``callspec.why_refused``): a store holds data, never
-        code. Such an entry is treated as missing (its operator is measured again) and is
-        gone from the file at the next flush. Each entry is named once per store."""
+        what autopar does not run (``callspec.why_refused``): treated as missing (measured
+        again), gone from the file at the next flush; each named once per store."""
         new = {k: v for k, v in refused.items() if k not in self._refused}
         if not new:
             return

@@ -100,3 +100,23 @@ def time_candidates(
             if r:
                 best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def output_meta(out) -> list:
+    """(shape, dtype, device) of every tensor a graph call returned, in order."""
+    leaves = torch.utils._pytree.tree_leaves(out)
+    return [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+            for t in leaves]  # fmt: skip
+
+
+def output_mismatch(out, expected: list | None) -> str | None:
+    """Why ``out`` is not what the current runner returns (None: it is, or nothing known)."""
+    if expected is None:
+        return None
+    got = output_meta(out)
+    if len(got) != len(expected):
+        return f"returned {len(got)} values where the graph returns {len(expected)}"
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if a != b:
+            return f"output {i} is {a} where the graph gives {b}"
+    return None

@@ -206,6 +206,15 @@ class StepRace:
             race.samples.setdefault(contender, [])
             self._restart(f"racing again: {contender} ready", [race])
 
+    def remove(self, contender: str, key) -> None:
+        """``contender`` cannot run signature ``key`` (its first call failed): it leaves
+        that race, which goes on with the others."""
+        with self._lock:
+            race = self._race(key)
+            race.samples.pop(contender, None)
+            race.out.discard(contender)
+            race.dirty = True
+
     def _race(self, key) -> _Race:
         race = self._races.get(key)
         if race is None:

@@ -94,7 +94,11 @@ class SplitRunner:
         return out
 
     def both(self, work: Callable[[int], Any]) -> list:
-        """``[work(0), work(1)]``, the second on the worker thread, both at one thread."""
+        """``[work(0), work(1)]``, the second on the worker thread, both at one thread; both
+        on the calling thread where it has thread-local state a worker would not see
+        (:func:`caller_only_state`: saved-tensor hooks, a mode, a ``torch.func`` transform)."""
+        if caller_only_state() is not None:
+            return [work(0), work(1)]
         # The calling thread's OpenMP team (from its last 2-thread op) would spin on the core
         # the worker needs: inception's split step took 15.8 ms with it, 14.1 ms without.
         release_idle_omp_team()
@@ -201,7 +205,7 @@ class NativeSplitRunner:
         self._apply = native.load(build=False).split_apply
 
     def __call__(self, *args: Any) -> tuple:
-        if aot_only() or _saved_tensor_hooks(False) is not None:
+        if aot_only() or caller_only_state() is not None:
             return self.python(*args)
         return tuple(self._apply(list(args), self.split_id, self.n_out))
 
@@ -213,7 +217,7 @@ def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int
     if not env_switch(NATIVE_ENV):
         return None, f"switched off (${NATIVE_ENV})"
     if not native.available():
-        return None, "the native extension is not built yet"
+        return None, native.cannot_build() or "the native extension is not built yet"
     if not isinstance(direct, DirectGraph):
         return None, f"the halves run through {joint.autograd}"
     if not direct.plain or direct.no_grad_outputs:
@@ -248,6 +252,23 @@ def _entry(compiled: Any) -> tuple[str, int, int] | str:
 
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def caller_only_state() -> str | None:
+    """What of the calling thread's state a worker thread would not see (None: nothing):
+    saved-tensor hooks, a dispatch or ``__torch_function__`` mode, a ``torch.func``
+    transform, inference mode. Both halves then run on the calling thread (the native
+    runner keeps its saved tensors itself, so it leaves such calls to the Python runner):
+    a hook must see every tensor of the whole batch, as in eager."""
+    if _saved_tensor_hooks(False) is not None:
+        return "saved-tensor hooks"
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return "a dispatch or torch-function mode"
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return "a torch.func transform"
+    if torch.is_inference_mode_enabled():
+        return "inference mode"
+    return None
 
 
 class SplitProgram:

@@ -34,13 +34,9 @@ them). While one compiles, the training thread sleeps at each forward call (unde
 ``backend="autopar"``: at each step's first forward graph) for :data:`COMPILE_SHARE` of the
 wall time, and the worker (at ``SCHED_IDLE``) runs only then or when the training leaves a
 core idle: the compile gets whole cores in short turns, never one an OpenMP op waits for.
-HF BERT's first 90 s, fresh Inductor cache, 2-core box (2026-12-02,
-``benchmarks/early_steps.py``): 4,267 steps, every tier in place 54 s after the first call,
-steps of 32-45 ms meanwhile (12 ms after; eager: about 7,000 steps in 90 s); before (a
-process per warm-up in a session of its own, where its nice 10 did not count against the
-training's group): 1,310 steps in the first 70 s, steps of 39-1,220 ms while compiling,
-tiers in place after 54-61 s. Without the pauses the worker at
-``SCHED_IDLE`` got no CPU from a training loop that keeps both cores busy: no tier landed
+HF BERT's first 90 s, fresh Inductor cache, 2-core box (``benchmarks/early_steps.py``):
+4,267 steps, every tier in place 54 s after the first call (eager: about 7,000 steps).
+Without the pauses the worker at ``SCHED_IDLE`` got no CPU from a training loop that keeps both cores busy: no tier landed
 in 240 s. Why: on a small machine a compile process takes a core, and the first step's
 profiles (the store's entries, and every plan built from them) would measure operators on a
 machine that is half taken (2-thread OpenMP ops slow down 10-50x when a neighbour holds a
@@ -392,6 +388,9 @@ class Tiers:
             return "kept"
         self._swap_graph(graph, records, ready[name], name, verdict, waited, measured)
         return "landed"
+
+    def reject(self, graph, name: str, why: str) -> None:  # its first call failed
+        self._event(graph, f"{name} left the race: its first call {why}; runner kept")
 
     def compile_pause(self, step_s: float) -> float:
         """Seconds the training thread yields at this step boundary (a forward call
