@@ -3,9 +3,9 @@
 One `autopar bench` run interleaves its contenders in one process, so noise on the machine
 hits them alike. It does not even out the process's own state. On the 2-core box, eager's
 step of the multi-tower MLP took 3.5-3.8 ms in one process and 6.4-6.6 ms in the next, with
-the same code; heap allocations kept alive flipped it within a process
-(docs/benchmarks.md, "2026-12-06 (session 16)"). Each contender owns its buffers, so one
-run's `autopar / best` for such a model depends on which state each contender drew.
+the same code; heap allocations kept alive flipped it within a process. Each contender owns
+its buffers, so one run's `autopar / best` for such a model depends on which state each
+contender drew.
 
 This script runs the bench once per process (`python -m autopar.tools.cli bench` with the
 same options, a fresh profile store each), then prints every run's medians and ratio and,

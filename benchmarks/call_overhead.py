@@ -25,8 +25,7 @@ chose ``joint`` (torch.compile's own pipeline): ``AUTOPAR_TIERS=joint`` offers o
 Measured 2026-12-04 (AMD EPYC, 2 vCPUs, tiny HF BERT, race verdict joint, 500 rounds): hook
 guards +100 us a forward, ``dynamic=False`` with the isolated cache region +22-30 us,
 ``Pipeline.call`` about +100 us (a forward of 4-6 ms leaves its code cold in the caches: on
-a small MLP it takes 25 us); rows agree to about 30 us. See
-docs/benchmarks.md ("What a settled call costs").
+a small MLP it takes 25 us); rows agree to about 30 us.
 
 Run::
 

@@ -122,7 +122,7 @@ def interpreter(rounds: int) -> None:
 
     import autopar
     from autopar.capture.analysis import example_args
-    from autopar.codegen.executors import generate
+    from autopar.codegen.emitters import generate
     from autopar.planning.partition import make_plan
     from autopar.planning.plan import Plan, Stream, node_key
     from autopar.profiling.store import ProfileStore
@@ -135,7 +135,7 @@ def interpreter(rounds: int) -> None:
     two = one.replace(streams=(Stream(0, "cpu", 1), Stream(1, "cpu", 1)),
                       placements=tuple((k, i % 2) for i, k in enumerate(keys)))  # fmt: skip
     a = (torch.ones(4), torch.ones(4))
-    p1, p2 = (generate(gm, p, "g0.fw", executor="native") for p in (one, two))
+    p1, p2 = (generate(gm, p, "g0.fw", emitter="native") for p in (one, two))
     t1, t2 = (_median_us(p.fn, a, rounds) for p in (p1, p2))
     print(f"2. interpreter, two adds: one stream {t1:.1f} us, two streams {t2:.1f} us "
           f"(fork + join {t2 - t1:.1f} us)")  # fmt: skip
@@ -149,7 +149,7 @@ def interpreter(rounds: int) -> None:
     serial = make_plan(r.table, policy="serial", graph_id=r.tag)
     heft = make_plan(r.table, streams=[Stream(0, "cpu", 1), Stream(1, "cpu", 1)],
                      policy="heft", graph_id=r.tag)  # fmt: skip
-    progs = {f"{e} {n}": generate(r.gm, p, r.tag, executor=e).fn
+    progs = {f"{e} {n}": generate(r.gm, p, r.tag, emitter=e).fn
              for e in ("python", "native") for n, p in (("serial", serial), ("2 streams", heft))}
     res = {k: [] for k in progs}
     with torch.no_grad():

@@ -1,16 +1,21 @@
-"""Suite-wide defaults. Inductor is a tier of every compiled model in production; here it
-is off unless a test asks for it (``autopar.compile(..., inductor=True)``), so that only the
-tests of Inductor pay its 20-40 s cold compiles on a 2-core machine."""
+"""Suite-wide defaults. Users get the whole executor ladder (``runtime.executors``); here the
+ladder is ``eager, plan`` unless a test asks for more (``inductor=True``, ``executors=``),
+so that only the tests of Inductor pay its 20-40 s cold compiles on a 2-core machine.
+``tests/test_default_config.py`` trains the zoo under the users' defaults."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("AUTOPAR_INDUCTOR", "0")
-# The Inductor tests compile whole graphs only; the segment tier (many compiles per graph)
-# is tested on its own (tests/test_tiers.py::test_segment_tier_*).
-os.environ.setdefault("AUTOPAR_TIERS", "inductor")
+os.environ.setdefault("AUTOPAR_EXECUTORS", "eager,plan")
 # The native interpreter likewise: off unless a test asks for it (``native=True``), so that
 # the suite's results do not depend on whether an earlier test built it.
 os.environ.setdefault("AUTOPAR_NATIVE", "0")
-# The step race decides in one race here (``runtime.race.CONFIRM_AFTER_S``: in production a
-# second race confirms the verdict 10 s later); the tests of confirmation turn it on.
-os.environ.setdefault("AUTOPAR_RACE_CONFIRM_S", "off")
+# The profile store: a directory of this session's own, never the user's cache
+# (~/.cache/autopar/profiles, profiling.store.default_dir) nor the working tree. Set at
+# import, before any test runs, so that the processes the tests start (the warm-up worker,
+# torchrun) inherit it; forced, so that a developer's own AUTOPAR_PROFILE_DIR is left alone.
+_PROFILE_DIR = tempfile.mkdtemp(prefix="autopar-test-profiles-")
+os.environ["AUTOPAR_PROFILE_DIR"] = _PROFILE_DIR
+atexit.register(shutil.rmtree, _PROFILE_DIR, ignore_errors=True)

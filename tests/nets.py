@@ -61,10 +61,11 @@ def train_side_by_side(cmodel, eager, x, steps: int, between=None, lr: float = 0
     return seen
 
 
-def compile_and_land(make_inputs, keep: dict):
-    """A ``check_training`` ``compile_fn``: autopar with its tiers compiled at once and no
-    race; two steps (the first compiles, the second measures and lands), then the model's
-    own state back, so the check starts from it. ``keep["m"]`` is the compiled module."""
+def compile_and_land(make_inputs, keep: dict, executor: str = "inductor"):
+    """A ``check_training`` ``compile_fn``: autopar with ``executor`` alone on its ladder,
+    built at once (``background=False``); two steps (the first captures, the second builds
+    and runs it), then the model's own state back, so the check starts from it.
+    ``keep["m"]`` is the compiled module."""
     import copy
 
     import autopar
@@ -72,9 +73,9 @@ def compile_and_land(make_inputs, keep: dict):
 
     def compile_fn(m):
         state = copy.deepcopy(m.state_dict())
-        cm = autopar.compile(m, inductor=True, background=False, race=False,
+        cm = autopar.compile(m, executors=(executor,), background=False,
                              store=ProfileStore.memory())  # fmt: skip
-        for _ in range(2):
+        for _ in range(3):
             out = cm(*make_inputs())
             (out[0] if isinstance(out, tuple) else out).sum().backward()
         m.load_state_dict(state)
@@ -85,23 +86,19 @@ def compile_and_land(make_inputs, keep: dict):
     return compile_fn
 
 
-def race_side_by_side(model, x, steps: int, eager_margin: float | None = None):
-    """``model`` compiled by autopar with the race on (tiers compiled at once), trained
-    ``steps`` steps beside its eager twin (:func:`train_side_by_side`). ``eager_margin``:
-    the race's ``margin`` (10.0: eager never wins). Returns ``(cmodel, eager, pipeline,
-    the race variants that ran)``."""
+def race_side_by_side(model, x, steps: int, executors=("eager", "plan", "inductor")):
+    """``model`` compiled by autopar with the judge racing ``executors`` (built at once),
+    trained ``steps`` steps beside its eager twin (:func:`train_side_by_side`). Returns
+    ``(cmodel, eager, pipeline, the executors that ran steps)``."""
     import copy
 
     import autopar
     from autopar.profiling.store import ProfileStore
 
     eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, inductor=True, background=False,
+    cmodel = autopar.compile(model, executors=executors, background=False,
                              store=ProfileStore.memory())  # fmt: skip
     pipe = cmodel._autopar_pipeline
-    if eager_margin is not None:
-        pipe.race.margin = eager_margin
     ran = set()
-    train_side_by_side(cmodel, eager, x, steps,
-                       lambda step: ran.add(pipe.variant or "eager-or-compiled"))  # fmt: skip
+    train_side_by_side(cmodel, eager, x, steps, lambda step: ran.add(pipe.variant))
     return cmodel, eager, pipe, ran

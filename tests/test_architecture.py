@@ -14,10 +14,12 @@ import networkx as nx
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "autopar"
 
 #: The stages in the order data flows through them. A module may import from its own layer
-#: and earlier ones only. ``errors`` is shared by all; ``pipeline`` and ``api`` compose.
+#: and earlier ones only. ``errors`` is shared by all; ``compat`` (PyTorch's private APIs)
+#: too; ``pipeline`` and ``api`` compose.
 LAYERS = (
     "errors",
     "logs",
+    "compat",
     "capture",
     "profiling",
     "planning",

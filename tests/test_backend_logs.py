@@ -147,12 +147,12 @@ def test_logs_show_stages_and_the_recompile_reason():
 
 
 def test_fallbacks_are_logged_once(monkeypatch):
-    from autopar.codegen import executors
+    from autopar.codegen import emitters
 
     def broken(*args, **kwargs):
         raise RuntimeError("codegen broke")
 
-    monkeypatch.setattr(executors, "generate", broken)
+    monkeypatch.setattr(emitters, "generate", broken)
     out = io.StringIO()
     with logs.enabled("info", stream=out), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

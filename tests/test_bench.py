@@ -43,11 +43,11 @@ def test_bench_model_reports_every_column(tmp_path):
             assert row[key] is not None, (name, key)
         assert row["first_step_s"] is not None
     a = res["autopar"]
-    assert a["inductor_tier"] is False  # inductor=False: no background compile, nothing waits
+    assert a["ladder"] == ["eager", "plan"]  # --no-inductor: nothing compiles, nothing waits
     assert a["settle_steps"] <= 2 and a["wait_done"]
     assert {g["tag"] for g in a["graphs"]} == {"g0.fw", "g0.bw"}
     assert all(g["executor"] in ("plan", "captured") for g in a["graphs"])
-    assert a["fastest_tier_s"] is not None  # no tier: the first step's executors are final
+    assert (a["final_s"] is None) == (not a["settled"])  # 2 settle steps: still racing
     # --no-inductor: autopar itself runs its plans, so its monitor checks the cost model
     check = {k: a[k] for k in ("prediction_error_pct", "predicted_fwbw_ms",
                                "plan_measured_fwbw_ms")}  # fmt: skip
@@ -63,11 +63,11 @@ def test_bench_model_reports_every_column(tmp_path):
     assert "machine before: " in table
     for column in ("step ms", "(IQR %)", "fw+bw ms", "eager/x", "best/x", "1st step s"):
         assert column in table
-    assert "autopar tiers: Inductor tier off" in table
-    assert "autopar g0.fw" in table and "autopar race" in table
+    assert "autopar ladder: eager, plan" in table
+    assert "autopar g0.fw" in table and "autopar verdict" in table
 
     summary = bench.format_summary([res])
-    for column in ("eager ms", "torch.compile", "autopar/best", "1st step tc / ap s", "tiers s"):
+    for column in ("eager ms", "torch.compile", "autopar/best", "1st step tc / ap s", "settled"):
         assert column in summary
     assert "tiny_mlp" in summary and "skipped" in summary  # no torch.compile in this run
     assert "vs_best_interval" in res["contenders"]["autopar"]
@@ -79,15 +79,15 @@ def test_bench_model_reports_every_column(tmp_path):
 
 
 def test_cost_model_probe_runs_the_plans_only(tmp_path):
-    """With autopar's Inductor tier on, an ``autopar-plans`` contender (inductor and race off)
-    runs the planned programs the cost model predicts; it is never the "best" peer."""
+    """With autopar's Inductor executors on, an ``autopar-plans`` contender (``plan`` alone on
+    its ladder) runs the planned programs the cost model predicts; never the "best" peer."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = bench.resolve_args(parser.parse_args(["--store", str(tmp_path / "s.json")]))
     contenders = {c.name: c for c in bench._make_contenders(TINY.make(), args)}
     assert set(contenders) == set(bench.CONTENDERS)
     opts = contenders["autopar-plans"].module._autopar_pipeline.options
-    assert opts.inductor is False and opts.race is False
+    assert opts.executors == ("plan",)
     assert "autopar-plans" in bench.PROBES
 
 

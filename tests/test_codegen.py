@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten
 
 from autopar.capture.analysis import is_rng
-from autopar.codegen.executors import generate
+from autopar.codegen.emitters import generate
 from autopar.errors import PlanError
 from autopar.planning.plan import Plan, Stream, Sync, node_key
 from autopar.runtime.streams import intra_op_threads
@@ -153,7 +153,7 @@ def test_four_branches_one_per_stream_waits_only_on_data():
 
 def write_then_dropout(x, buf):
     """An in-place write into an input between its readers, then two random draws: the
-    effect rules' example for every executor's tests (test_codegen_ts, test_native)."""
+    effect rules' example for every emitter's tests (test_native)."""
     s = buf.sum()
     buf.copy_(x * 2)
     a = torch.nn.functional.dropout(x.sin(), 0.5, True)
@@ -223,8 +223,8 @@ def test_bad_plans_raise_clear_errors():
     order = [node_key(TAG, n.name) for n in gm.graph.nodes][::-1]
     with pytest.raises(PlanError, match="topological"):
         generate(gm, make_plan(gm, lambda i, n: 0, 1, order=order), TAG)
-    with pytest.raises(ValueError, match="executor must be one of"):
-        generate(gm, make_plan(gm, lambda i, n: 0, 1), TAG, executor="nope")
+    with pytest.raises(ValueError, match="emitter must be one of"):
+        generate(gm, make_plan(gm, lambda i, n: 0, 1), TAG, emitter="nope")
 
 
 def test_save_and_traceback_show_generated_lines(tmp_path):
@@ -286,7 +286,7 @@ def random_topo_order(gm, r):
 
 def random_case(seed: int, n_ops: int, n_streams: int):
     """``(gm, args, plan)``: a random DAG of ``n_ops`` ops, traced, and a random plan for it
-    (random streams, a random topological order): the property tests of every executor."""
+    (random streams, a random topological order): the property tests of every emitter."""
     args = (torch.randn(5, 6), torch.randn(5, 6))
     gm = make_fx(random_dag(seed, n_ops))(*args)
     r = random.Random(seed)

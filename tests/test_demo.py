@@ -22,7 +22,7 @@ from autopar.tools.demo_models import (
     load_corpus,
     make_batches,
 )
-from autopar.tools.demo_report import Watch, final_screen, graph_decisions
+from autopar.tools.demo_report import final_screen, graph_decisions
 
 
 def _run(tmp_path, capsys, *extra) -> tuple[int, str]:
@@ -43,11 +43,12 @@ def test_each_model_trains_and_the_final_screen_names_every_graphs_executor(
     screen = text[text.index("what the compiler decided") :]
     tags = re.findall(r"^(g\d+\.(?:fw|bw)) \(", screen, flags=re.M)
     assert tags and {"g0.fw", "g0.bw"} <= set(tags), screen
-    for tag in tags:  # each graph: its choice, the reason, prediction vs measurement, tiers
+    assert "executor ladder: eager, plan" in screen and "g0: the ladder" in screen
+    for tag in tags:  # each graph: what runs it, the reason, prediction vs measurement
         block = screen[screen.index(f"{tag} (") :]
-        assert re.match(rf"{re.escape(tag)} \(\w+, \d+ ops\)\s+chosen: (PLAN|INDUCTOR|CAPTURED)",
+        assert re.match(rf"{re.escape(tag)} \(\w+, \d+ ops\)\s+runs: (PLAN|INDUCTOR|CAPTURED)",
                         block), block  # fmt: skip
-        for word in ("candidates", "why", "predicted", "measured", "tiers"):
+        for word in ("why", "predicted", "measured"):
             assert word in block.split("\n\n")[0], (tag, word)
     assert "AGREE" in screen and "step time" in screen
     out = tmp_path / "demo"
@@ -101,7 +102,7 @@ def test_compare_curves_allows_growing_rounding_drift_but_not_a_different_start(
     assert not compare_curves(same_start, [3.0] * 10 + [2.2] * 30, tol=0.05)[0]
 
 
-# -- decisions read from provenance stamps (Inductor is off in the tests: stamps made here) ----
+# -- the final screen, from an explanation made here ---------------------------------------
 def _unit(tag, executor, stamps, policy="serial"):
     placements = (("a", 0), ("b", 1 if policy != "serial" else 0))
     plan = SimpleNamespace(policy=policy, predicted_step_time=2e-3, serial_time=3e-3,
@@ -112,32 +113,27 @@ def _unit(tag, executor, stamps, policy="serial"):
                            executor=executor, fallback=None)  # fmt: skip
 
 
-def test_decisions_name_candidates_choice_reason_and_tier_step():
-    landed = ("inductor 1.000 ms vs plan 2.500 ms (ready 12.0 s after the first call): "
-              "inductor landed")
-    kept = "inductor 4.000 ms vs plan 3.000 ms (ready 14.0 s after the first call): kept plan"
-    first = "measured at first call: heft on 2 streams 2.000 ms vs serial 3.000 ms"
+def test_decisions_name_the_ladder_the_verdict_and_each_graphs_executor():
+    verdict = "median step inductor 1.00 ms, plan 2.50 ms over 8 rounds -> inductor"
     ex = SimpleNamespace(
-        graphs=(_unit("g0.fw", "inductor", [("measure", first), ("tier", landed)], "heft"),
-                _unit("g0.bw", "plan", [("tier", kept)])),
-        steps={"([4, 8] float32; train)": ("compiled", "median step: compiled 1 vs eager 2")},
-        tiers=(), compile_seconds=1.5, graph_breaks=0,
+        graphs=(_unit("g0.fw", "inductor", [("verdict", verdict)], "heft"),
+                _unit("g0.bw", "plan", [])),
+        steps={"([4, 8] float32; train)": ("inductor", verdict)},
+        rungs={"g0": {"eager": "racing", "plan": "racing",
+                      "inductor": "built (compiled here in 1.2 s); racing",
+                      "split": "not offered: an inference graph"}},
+        ladder=("eager", "plan", "inductor", "split"), events=(), compile_seconds=1.5,
+        graph_breaks=0,
     )  # fmt: skip
-    watch = Watch(inductor=True)
-    watch.tiers = {"g0.fw": (41, 13.2), "g0.bw": (50, 15.0)}
-    fw, bw = graph_decisions(ex, None, watch)
-    assert fw.chosen == "inductor" and "replaced it" in fw.why
-    assert [c[:2] for c in fw.candidates] == [("heft plan on 2 streams", 2.0),
-                                              ("serial plan", 3.0), ("inductor", 1.0),
-                                              ("plan (running then)", 2.5)]  # fmt: skip
-    assert any("step 42" in t and "inductor landed" in t for t in fw.tiers)
-    assert bw.chosen == "plan (serial plan)" and "not faster by the landing margin" in bw.why
-    assert any("step 51" in t and "kept plan" in t for t in bw.tiers)
-    assert watch._settled(ex)  # every tier decided and the race has its verdict
+    fw, bw = graph_decisions(ex, None)
+    assert fw.chosen == "inductor" and "-> inductor" in fw.why
+    assert bw.chosen == "plan (serial on 1 stream)" and "predicted serial" in bw.why
     info = {"model": "m", "agree": True, "agreement": "ok", "window": "steps 2-3", "out": "o",
             "times": {"eager": (2.0, 2), "autopar": (1.0, 2)}, "files": {"loss plot": "o/l"}}
     screen = final_screen(ex, [fw, bw], info)
-    assert "chosen: INDUCTOR" in screen and "chosen: PLAN" in screen
+    assert "runs: INDUCTOR" in screen and "runs: PLAN" in screen
+    assert "executor ladder: eager, plan, inductor, split" in screen
+    assert "not offered: an inference graph" in screen
     assert "autopar 1.00 ms, 2.00x eager" in screen
 
 

@@ -35,7 +35,7 @@ import autopar.runtime.streams as rt
 from autopar.capture.analysis import buffer_analysis
 from autopar.codegen.cuda import device_waits, is_metadata_only
 from autopar.codegen.emit import schedule
-from autopar.codegen.executors import generate
+from autopar.codegen.emitters import generate
 from autopar.codegen.inductor_streams import annotate_streams
 from autopar.planning.plan import Plan, Stream, Sync, node_key
 from autopar.tools import zoo

@@ -102,8 +102,9 @@ def test_explain_is_a_structured_report():
     assert first_call is not None and not ex.fallbacks
     (verdict, why), = ex.steps.values()
     assert verdict is None and "racing" in why  # 3 steps: the race is still running
-    text = str(ex)
-    assert text.startswith(ex.summary()) and "def forward" in text  # summary, then programs
+    assert ex.ladder == ("eager", "plan") and set(ex.rungs["g0"]) == {"eager", "plan"}
+    assert str(ex) == ex.summary() and len(str(ex).splitlines()) <= 30
+    assert "def forward" in ex.source and ex.text(verbose=True).endswith(ex.source)
 
 
 def test_profile_and_plan_leave_buffers_rng_and_grads_alone():

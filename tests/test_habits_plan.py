@@ -12,7 +12,7 @@ from oracle import assert_close_to_oracle, check_training
 
 import autopar
 from autopar.capture.analysis import example_args
-from autopar.codegen.executors import generate
+from autopar.codegen.emitters import generate
 from autopar.errors import PlanError
 from autopar.planning import policies
 from autopar.planning.costmodel import MachineModel

@@ -76,9 +76,9 @@ def test_a_library_without_the_mark_counts_as_built_once_torchs_lock_is_gone(tmp
 
 
 def test_a_stopped_build_is_not_started_again_for_the_next_graph(monkeypatch):
-    """Past WARMUP_LIMIT_S the tiers stop the build: another graph's native candidate must
-    not start it again (it would wait for the limit once more); a failed build is retried."""
-    from autopar.runtime import native_tier
+    """A build stopped (cancelled) is not started again for the next graph planned; a failed
+    build is retried."""
+    from autopar.runtime import native_build as native_tier
 
     class Job:
         def __init__(self):
@@ -89,6 +89,7 @@ def test_a_stopped_build_is_not_started_again_for_the_next_graph(monkeypatch):
 
     jobs = []
     monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "cannot_build", lambda: None)
     monkeypatch.setattr(native_tier, "_job", None)
 
     def spawn(module, path):

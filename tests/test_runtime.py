@@ -18,7 +18,7 @@ from test_codegen import (
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar.runtime.streams as rt
-from autopar.codegen.executors import generate
+from autopar.codegen.emitters import generate
 
 
 def run_with_deadline(fn, seconds=60.0):

@@ -46,10 +46,13 @@ class CompileOptions:
     repeats: int = 5  # profiler timed runs per operator signature
     adapt: Any = True  # True, False (no monitor) or an autopar.adapt.monitor.AdaptOptions
     cache_size: int = 8  # plans kept per input signature (LRU; see autopar.adapt.monitor.PlanCache)
-    race: bool = True  # race whole eager and compiled steps first; keep the faster (runtime.race)
-    inductor: bool | None = None  # Inductor as a tier; None: $AUTOPAR_INDUCTOR, default on
-    background: bool = True  # compile slow tiers in another process while training starts
+    race: bool = True  # False: no eager steps (``"eager"`` off the ladder)
+    inductor: bool | None = None  # False: no Inductor executors; True: "inductor" on the ladder
+    background: bool = True  # compile in another process while training starts
     native: bool | None = None  # the native stream interpreter; None: $AUTOPAR_NATIVE, default on
+    # The executor ladder (runtime.executors): None is $AUTOPAR_EXECUTORS, else the default;
+    # ``race`` and ``inductor`` edit it. After __post_init__: the resolved tuple.
+    executors: Any = None
 
     def __post_init__(self):
         if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
@@ -64,6 +67,24 @@ class CompileOptions:
             raise ValueError(f"adapt must be True, False or AdaptOptions, got {self.adapt!r}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"cache_size must be a positive int, got {self.cache_size!r}")
+        ladder = resolve_ladder(self.executors, self.race, self.inductor)
+        object.__setattr__(self, "executors", ladder)
+
+
+def resolve_ladder(executors, race: bool, inductor: bool | None) -> tuple[str, ...]:
+    """The ladder ``executors`` asks for (``runtime.executors.ladder``), with ``race=False``
+    taking ``"eager"`` off it and ``inductor`` taking the Inductor executors off (False) or
+    putting ``"inductor"`` on (True)."""
+    from autopar.runtime.executors import ladder
+
+    names = list(ladder(executors))
+    if not race:
+        names = [n for n in names if n != "eager"]
+    if inductor is False:
+        names = [n for n in names if n not in ("inductor", "split")]
+    elif inductor and "inductor" not in names:
+        names.append("inductor")
+    return ladder(names or ("plan",))
 
 
 class CompiledModule(nn.Module):
@@ -155,6 +176,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     inductor: bool | None = None,
     background: bool = True,
     native: bool | None = None,
+    executors: Any = None,
 ) -> CompiledModule:
     """Compile ``model`` for parallel training. Lazy: the work happens on the first call.
 
@@ -180,15 +202,19 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         cache_size: plans kept per input signature (shapes, dtypes, train/eval, grad mode,
             autocast), least recently used evicted; each miss logs one line on the
             ``"autopar"`` logger, and more signatures than this warns once.
-        race: the safety net (``autopar.runtime.race``): the first steps of each input
-            signature alternate whole eager and compiled steps, and the module keeps the
-            faster; ``explain`` says which and why. ``False``: always compiled.
-        inductor: also compile each graph whole with Inductor and swap it in where it
-            measures faster (``autopar.runtime.tiers``). Default ``$AUTOPAR_INDUCTOR``, on.
-        background: ``True``: training starts at once on the planned programs while the
-            Inductor compiles run in another process; each lands at a later call.
-            ``False``: everything is compiled and measured before the first step returns.
-            ``autopar.wait(cmodel)`` blocks until background work is done.
+        executors: the ladder: which executors may run a step, from
+            ``("eager", "plan", "inductor", "split")`` (the default; ``autopar.runtime.
+            executors``). The judge (``autopar.runtime.judge``) races those that are built,
+            whole steps interleaved, and keeps the fastest per input signature; a verdict
+            is remembered beside the profile store, so the next run on this machine starts
+            on it. ``explain`` shows the ladder of every graph.
+        race: ``False`` takes ``"eager"`` off the ladder (never hand steps to eager).
+        inductor: ``False`` takes the Inductor executors off the ladder; ``True`` puts
+            ``"inductor"`` on it.
+        background: ``True``: training starts at once while the Inductor compiles run in
+            another process at idle priority; each races from a later step. ``False``:
+            everything is compiled at the second step. ``autopar.wait(cmodel)`` blocks
+            until background work is done.
         native: run planned programs on the native stream interpreter
             (``autopar.codegen.native``: every stream on a thread of the caller's OpenMP
             team, no Python between ops), built once per machine in the background.
@@ -204,6 +230,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     options = CompileOptions(
         streams, policy, store, memory_budget, rnn, debug_dir, adapt=adapt, cache_size=cache_size,
         race=race, inductor=inductor, background=background, native=native,
+        executors=executors,
     )
     return CompiledModule(model, options)
 
@@ -386,8 +413,7 @@ class _Run:
 def _run_once(model: nn.Module, inputs: tuple, **options) -> tuple[CompiledModule, _Run]:
     """Compile a copy-free wrapper, run forward and backward once. No side effects: the
     gradients, every buffer (BatchNorm statistics) and the RNG state are put back."""
-    options.setdefault("race", False)  # one step: it must be the compiled one
-    options.setdefault("inductor", False)  # profile/plan inspect the plan, not Inductor's
+    options.setdefault("executors", ("plan",))  # profile/plan inspect the planned program
     cmodel = compile(model, **options)
     saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]

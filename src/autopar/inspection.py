@@ -1,15 +1,16 @@
 """What the compiler decided, as data: ``autopar.explain(cmodel)`` returns an
-:class:`Explanation` (like ``torch._dynamo.explain``): per graph its executor, plan,
-prediction, measurements, fallback and provenance; per input signature the verdict of the
-eager/compiled race; the tiers that landed; graph breaks. ``print()`` gives a summary
-followed by the exact source of every program that runs.
+:class:`Explanation` (like ``torch._dynamo.explain``): per Dynamo graph the ladder of
+executors with each one's verdict; per input signature the judge's verdict and its step
+times; per recorded graph its executor, plan and provenance. ``print(ex)`` shows a short
+summary; ``ex.source`` (or ``ex.text(verbose=True)``) every program that runs. In a
+notebook the bare expression shows the summary.
 
 Example::
 
     >>> ex = autopar.explain(cmodel)                        # doctest: +SKIP
-    >>> print(ex.summary())                                 # doctest: +SKIP
+    >>> print(ex)                                           # doctest: +SKIP
     >>> ex.graphs[0].executor, ex.steps                     # doctest: +SKIP
-    ('inductor', {'[16, 32] float32; train, 2 threads': ('compiled', 'median step: ...')})
+    ('inductor', {'[16, 32] float32; train, 2 threads': ('inductor', 'median step ...')})
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ from autopar.adapt.shapes import describe_key
 from autopar.capture.backend import GraphUnit
 
 _EMPTY = "# nothing compiled yet: call the model once (and .backward()) first\n"
+#: Lines of events the summary shows (the latest); ``ex.events`` has them all.
+EVENTS_SHOWN = 6
 
 
 @dataclass(frozen=True)
 class Explanation:
-    """A compiled module's decisions. ``str(ex)`` is the summary plus every program."""
+    """A compiled module's decisions. ``str(ex)`` is the summary; ``ex.source`` the
+    programs."""
 
     graphs: tuple[GraphUnit, ...] = ()
     steps: dict[str, tuple[str | None, str]] = field(default_factory=dict)  # signature ->
-    tiers: tuple[str, ...] = ()  # one line per tier that landed, lost or failed
+    events: tuple[str, ...] = ()  # one line per build and verdict
     compile_seconds: float | None = None  # the first call: capture + profile + plan
     graph_breaks: int = 0  # Dynamo graphs - 1 (each break splits the model's code)
+    ladder: tuple[str, ...] = ()
+    # Dynamo graph tag -> executor -> what became of it ("racing", "not offered: ...", ...)
+    rungs: dict[str, dict[str, str]] = field(default_factory=dict)
     # Dynamo graph tag -> what runs its autograd.Function: "direct" (autopar's own,
     # ``capture.direct_autograd``), "direct, native" (its two native programs as one C++
     # autograd function: ``runtime.native_direct``) or "AOTAutograd (<why>)".
@@ -45,30 +52,29 @@ class Explanation:
         if not self.graphs:
             return _EMPTY
         lines = [
-            f"# autopar: {len(self.graphs)} graphs, {self.graph_breaks} graph breaks"
-            + (f", first call {self.compile_seconds:.2f} s" if self.compile_seconds else "")
+            f"# autopar: {len(self.rungs) or len(self.graphs)} Dynamo graph(s), "
+            f"{self.graph_breaks} graph break(s)"
+            + (f", first call {self.compile_seconds:.2f} s" if self.compile_seconds else ""),
+            f"# ladder: {', '.join(self.ladder)}",
         ]
         for sig, (verdict, why) in self.steps.items():
-            lines.append(f"# steps with input signature {sig}: " + (
-                f"{verdict} ({why})" if verdict else why))  # fmt: skip
-        for tag, how in self.autograd.items():
-            lines.append(f"# {tag}: autograd " + (
-                "direct (autopar's autograd.Function; AOTAutograd's runtime wrapper skipped)"
-                if how == "direct" else
-                "direct, native (both native programs as one C++ autograd function)"
-                if how == "direct, native" else f"through {how}"))  # fmt: skip
+            lines.append(f"# steps {sig}: " + (f"{verdict} ({why})" if verdict else why))
+        for tag, rungs in self.rungs.items():
+            how = self.autograd.get(tag)
+            how = how if how is None or how.startswith("direct") else f"through {how}"
+            lines.append(f"# {tag}" + (f" (autograd {how})" if how else "") + ":")
+            lines += [f"#   {name}: {status or 'not tried'}" for name, status in rungs.items()]
         for u in self.graphs:
             plan = u.plan
-            what = (
-                f"plan {plan.policy}, predicted {plan.predicted_step_time * 1e3:.3f} ms"
-                if plan is not None else "no plan"
-            )  # fmt: skip
-            lines.append(f"# {u.tag}: executor {u.executor}; {what}"
+            what = (f"plan {plan.policy} on {len(plan.streams) or 1} stream(s), predicted "
+                    f"{plan.predicted_step_time * 1e3:.3f} ms" if plan is not None
+                    else "not planned")  # fmt: skip
+            lines.append(f"# {u.tag}: runs {u.executor}; {what}"
                          + (f"; fallback: {u.fallback}" if u.fallback else ""))  # fmt: skip
-            for p in u.provenance:
-                if p.stage in ("measure", "tier") and p.note:
-                    lines.append(f"#   {p.stage}: {p.note}")
-        lines += [f"# tier {e}" for e in self.tiers]
+        shown = self.events[-EVENTS_SHOWN:]
+        if len(self.events) > len(shown):
+            lines.append(f"# ... {len(self.events) - len(shown)} earlier events in ex.events")
+        lines += [f"# {e}" for e in shown]
         return "\n".join(lines) + "\n"
 
     @property
@@ -79,28 +85,40 @@ class Explanation:
             if u.program is not None:
                 parts.append(u.program.source)
             else:
-                why = u.fallback or "not run yet"
+                why = u.fallback or "not planned"
                 parts.append(f"# {u.tag}: runs the captured graph as it is ({why})\n{u.gm.code}")
         return "\n\n".join(parts)
 
+    def text(self, verbose: bool = False) -> str:
+        """The summary; ``verbose``: followed by every program's source."""
+        if not verbose or not self.graphs:
+            return self.summary()
+        return self.summary() + "\n" + self.source
+
     def __str__(self) -> str:
-        return self.summary() if not self.graphs else self.summary() + "\n" + self.source
+        return self.summary()
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython: the summary, not a dump
+        printer.text(self.summary())
 
     def __contains__(self, text: str) -> bool:
-        return text in str(self)
+        return text in self.text(verbose=True)
 
 
 def explanation(pipeline) -> Explanation:
     """The :class:`Explanation` of one model's pipeline (``autopar.pipeline.Pipeline``)."""
     units = tuple(r.unit for r in pipeline.records)
-    steps = {describe_key(k): v for k, v in pipeline.race.report().items()}
-    groups = {u.group for u in units}
+    rt = pipeline._runtime
+    steps = {describe_key(k): v for k, v in rt.judge.report().items()} if rt else {}
+    graphs = pipeline.capture.dynamo_graphs
     return Explanation(
         graphs=units,
         steps=steps,
-        tiers=tuple(pipeline.tiers.events) if pipeline.tiers is not None else (),
+        events=tuple(rt.events) if rt else (),
         compile_seconds=pipeline.compile_seconds,
-        graph_breaks=max(0, len(groups) - 1),
-        autograd={g.tag: g.autograd + (", native" if getattr(g.runner, "native", None) else "")
-                  for g in pipeline.capture.dynamo_graphs},  # fmt: skip
+        graph_breaks=max(0, len({u.group for u in units}) - 1),
+        ladder=tuple(pipeline.ladder),
+        rungs={g.tag: rt.rungs(g) for g in graphs} if rt else {},
+        autograd={g.tag: g.autograd + (", native" if getattr(g.captured, "native", None) else "")
+                  for g in graphs},  # fmt: skip
     )

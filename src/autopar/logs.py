@@ -44,8 +44,7 @@ _LEVELS = {
 def env_switch(name: str, *, empty_is_on: bool = True) -> bool:
     """Whether the on/off switch ``$name`` is on: unset, it is; set, it is off for ``0``,
     ``off``, ``false`` or ``no`` (any case), and for the empty string where ``empty_is_on``
-    is False. autopar's switches (``AUTOPAR_NATIVE``, ``AUTOPAR_INDUCTOR``,
-    ``AUTOPAR_DIRECT_AUTOGRAD``, ...) read it.
+    is False. autopar's switches (``AUTOPAR_NATIVE``, ``AUTOPAR_BYPASSES``) read it.
 
     Example::
 

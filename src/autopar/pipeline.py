@@ -30,15 +30,15 @@ from autopar.adapt.shapes import (
     input_key,
     register_cache_size,
 )
-from autopar.capture.backend import Capture, GraphRecord, dynamo_regions
+from autopar.capture.backend import Capture, GraphRecord, dynamo_regions, run_serially
 from autopar.codegen.emit import Boxed
 from autopar.errors import traced_user_error, warn_fallback
-from autopar.logs import CompileProgress, env_switch
+from autopar.logs import CompileProgress
+from autopar.runtime.decide import Runtime
+from autopar.runtime.decisions import Decisions
+from autopar.runtime.executors import ladder as make_ladder
 from autopar.runtime.measure import output_meta
 from autopar.runtime.native_direct import NativePaths
-from autopar.runtime.planned import KeptPlans, native_on
-from autopar.runtime.race import StepRace
-from autopar.runtime.tiers import Tiers, tier_kinds
 
 
 class Pipeline:
@@ -60,37 +60,30 @@ class Pipeline:
         else:
             register_cache_size(cache_size)
             self._dynamo_settings = dynamo_limit
-        self.race = StepRace(enabled=getattr(options, "race", True))
+        self.ladder = make_ladder(getattr(options, "executors", None))
         self.key = None  # the input signature of the step that runs now
         self._rnn_present: bool | None = None
         from autopar.rnn.cell_nodes import cell_passes
 
-        inductor, native = _inductor(options), native_on(options)
-        kinds = tier_kinds(inductor, native)
-        self.tiers = (Tiers(getattr(options, "background", True), kinds, self)
-                      if kinds or inductor or native else None)  # fmt: skip
         self.capture = Capture(
             prepare=self.prepare, on_call=self.on_call,
             graph_passes=cell_passes(getattr(options, "rnn", "unroll")),
             on_graph_call=self.on_graph_call,
         )  # fmt: skip
         self._store = None
+        self._runtime: Runtime | None = None
         self.compile_seconds: float | None = None  # first call: capture + profile + plan
-        self._nudged: dict = {}  # input key -> pending tiers when a ready tier got a step
         self._checked: set = set()  # input keys whose inputs passed the caller's check
         self.progress: CompileProgress | None = None  # the compile now or last under way
         self._next: tuple[float, str] | None = None  # (start, reason): this step may compile
         self._call: float | None = None  # start of the forward call under way (None: none)
-        self._prev_call: float | None = None  # start of the previous forward call
         self._last_key = None
         self._backend = False  # backend="autopar": its Dynamo graph calls mark the steps
         self._last_group: int | None = None  # ... the Dynamo graph called last
-        self._path = "compiled"  # ... and the race's path of that step
-        self._graphs_done: set[int] = set()  # Dynamo graphs with no whole-graph tier left
-        self.variant: str | None = None  # the race's contender this step, beyond "compiled"
-        self._racing: dict = {}  # Dynamo graph -> input key: its candidate is in the race
-        self.kept = KeptPlans()  # planned programs a tier replaced: the race's "plan" steps
+        self._path = "plan"  # ... and the executor of that step
+        self.variant: str = "plan"  # the executor of the step that runs now
         self.native_paths = NativePaths()  # graphs whose two native programs run from C++
+        self._fast: set[int] = set()  # Dynamo graphs on their verdict's program, no hook
 
     def _has_rnn(self, model: nn.Module) -> bool:
         """Whether ``model`` holds an RNN module to rewrite; looked up once (walking every
@@ -115,9 +108,23 @@ class Pipeline:
             self._store = s if isinstance(s, ProfileStore) else ProfileStore(s)
         return self._store
 
+    @property
+    def runtime(self) -> Runtime:
+        """The decisions of this model (``runtime.decide``), made on first use: the decision
+        cache lives beside the profile store."""
+        if self._runtime is None:
+            self._runtime = Runtime(self.ladder, getattr(self.options, "background", True),
+                                    Decisions(getattr(self.store, "path", None)),
+                                    self.capture.group, describe_key)  # fmt: skip
+        return self._runtime
+
+    def compiling(self) -> bool:
+        """A background build of this model is compiling (the machine is shared with it)."""
+        return self._runtime is not None and self._runtime.builds.compiling()
+
     def call(self, model: nn.Module, compiled, args, kwargs, check=None):
         """One forward call: a step boundary (pending re-plans are swapped in here). The
-        step runs compiled, or eagerly while the race says so (``runtime.race``).
+        step runs the executor the judge chose (``runtime.decide``), eagerly included.
         ``check()`` raises a clear error for inputs the model cannot take; it runs once per
         input signature and argument layout (what it checks: arity, keywords, dtypes)."""
         first = self.compile_seconds is None
@@ -129,11 +136,8 @@ class Pipeline:
                 self._checked.add(shape)
         self.key = key
         t0 = time.perf_counter()
-        paused = 0.0
-        if self.tiers is not None:
-            t1 = self._step_boundary(t0)
-            paused, t0 = t1 - t0, t1
-        path, self.variant = self._choose_path(key, t0, paused)
+        self.variant = path = self.runtime.step(key, t0)
+        self._settle(key)
         if path == "eager" or _empty_batch(args, kwargs):
             return model(*args, **kwargs)
         self._next = None
@@ -142,9 +146,7 @@ class Pipeline:
         self._last_key = key
         self.native_paths.drain(self.monitor.observed)  # the last step's, before it ends
         self.monitor.begin_step(key, lambda: describe_key(key))
-        # A "plan" verdict put the kept programs back: with none kept, its steps are plain
-        settled = (self.variant is None or (self.variant == "plan" and not self.kept)) and (
-            self.tiers is None or not self.tiers.pending())  # fmt: skip
+        settled = path == "plan" and self.runtime.settled(key)
         self.native_paths.refresh(self.capture.dynamo_graphs, self.capture.group,
                                   settled, self.monitor.quiet)  # fmt: skip
         self._call = t0
@@ -168,30 +170,28 @@ class Pipeline:
             self.compile_seconds = time.perf_counter() - t0
         return out
 
-    def _choose_path(self, key, t0: float, paused: float) -> tuple[str, str | None]:
-        """The race's path for the step of ``key`` that starts at ``t0`` (after ``paused``
-        seconds of pause, not the step's time): ``("eager", None)``, ``("compiled", None)``
-        or ``("compiled", name)``, a whole-graph candidate's turn or verdict."""
-        path = self.race.choose(key, t0, paused)
-        if self._racing and self.race.verdict(key) is not None:
-            self._settle_graphs(key)
-        if self.kept and self.race.verdict(key) is not None:
-            for record in self.kept.settle(key, *self.race.report()[key]):
-                self.monitor.rebaseline(record)
-        variant = None
-        if path not in ("eager", "compiled"):
-            variant, path = path, "compiled"
-        if self.tiers is not None:
-            self.tiers.poll()
-            pending = self.tiers.pending()
-            if path == "eager" and self.tiers.ready() and self._nudged.get(key) != pending:
-                self._nudged[key] = pending  # once per change: other signatures' graphs wait
-                # Candidates land only at their graphs' next calls, which an "eager" verdict
-                # would never make: this step runs compiled (not counted in the race); a
-                # tier that lands resets the race, one that loses leaves the verdict as is.
-                self.race.mark_dirty(key)
-                path = "compiled"
-        return path, variant
+    def _settle(self, key) -> None:
+        """Once ``key``'s verdict stands with nothing left to build, each of its Dynamo graphs
+        runs the verdict's program with no hook around its calls (the judge has no more
+        turns to give), and its recorded graphs say which program runs them."""
+        rt = self.runtime
+        verdict = rt.judge.verdict(key)
+        if verdict is None or not rt.settled(key) or self._backend:
+            return
+        for graph in self.capture.dynamo_graphs:
+            gs = rt._graphs.get(id(graph))
+            if gs is None or gs.key != key or id(graph) in self._fast:
+                continue
+            self._fast.add(id(graph))
+            prog = gs.programs.get(verdict)
+            with graph.lock:
+                graph.runner = prog.fn if prog is not None else graph.captured
+                graph.executor = verdict if prog is not None else "per-graph"
+                graph.on_call = None
+            if prog is not None:
+                for r in self.capture.group(graph.group):
+                    r.advance("verdict", 0.0, rt.judge.report()[key][1],
+                              program=prog.program(r.phase), executor=verdict)  # fmt: skip
 
     def backend(self, gm, example_inputs):
         """This model's ``torch.compile`` backend: ``Capture.backend`` (Dynamo graph ->
@@ -245,7 +245,9 @@ class Pipeline:
         from autopar.profiling.heal import heal
         from autopar.profiling.profiler import profile_graph
 
-        self.race.mark_dirty(self.key)  # this step compiles: it does not count in the race
+        if not self.runtime.profiles(record.group):  # plan is not a contender here
+            return run_serially(record, args)
+        self.runtime.judge.dirty(self.key)  # this step compiles: it does not count
 
         opts = self.options
         debug_dir = opts.debug_dir or os.environ.get("AUTOPAR_DEBUG_DIR")
@@ -283,11 +285,6 @@ class Pipeline:
             progress.stage(record.tag, "plan", _last(record, "plan"), _describe(plan))
             progress.stage(record.tag, "codegen", _last(record, "codegen"),
                            f"{len(program.streams_used) or 1}-stream program")
-            stamps = len(record.unit.provenance)
-            plan, program = self.confirm_by_measurement(record, table, args, plan, program)
-            if len(record.unit.provenance) > stamps:  # the verdict, with what was kept
-                p = record.unit.provenance[-1]
-                progress.stage(record.tag, p.stage, p.seconds, (plan.notes or (p.note,))[-1])
         except Exception as exc:  # noqa: BLE001
             # The profiler already ran the graph for real (buffer updates, RNG draws are
             # done): return its outputs and run the captured graph from now on. Running it
@@ -303,172 +300,90 @@ class Pipeline:
             return out, (lambda a: fn(*a))
         record.advance("choose", plan=plan, program=program, executor="plan")
         record.runner = Boxed(program)
-        if self.tiers is not None:
-            self.tiers.start(record, args)  # background=False: compiles and measures now
         self.monitor.compiled(record, time.perf_counter() - t0)
         _write_debug(record, debug_dir, self.name)
         return out, record.runner
 
     def on_graph_call(self, graph, args):
-        """A call of a whole Dynamo graph. Under ``torch.compile(backend="autopar")`` it may
-        start a step (:meth:`_backend_graph_call`), whose race picks eager (the Dynamo graph
-        run as it is) or compiled. While a whole-graph tier may still land for the graph
-        (``Tiers.maybe_land_graph``), the compiled candidates race the graph's runner over
-        whole steps (``runtime.race``: the race's ``"joint"`` steps run the joint one, its
-        ``"split"`` steps the batch split), or, with the race off, the fastest lands by a
-        timed forward and backward. Once nothing is left, the graph's calls go straight to
-        its runner (``graph.on_call = None``; not under the backend, whose steps start here)."""
-        tiers = self.tiers
-        if tiers is not None and tiers.measuring:  # a timed forward and backward of a tier
-            return graph.runner(*args)
+        """A call of a whole Dynamo graph while its signature is undecided: the step's
+        executor (``self.variant``, the judge's choice) runs it: its built program, else the
+        captured runner (``runtime.decide.Runtime.program``). A graph's first call tells the
+        runtime about it (the ladder walk starts at the next step). Under
+        ``torch.compile(backend="autopar")`` a graph call may start a step
+        (:meth:`_backend_graph_call`); an ``eager`` step runs the graph as Dynamo captured it."""
         if self._call is None and self._backend_graph_call(graph) == "eager":
             return graph.gm(*args)
-        if tiers is not None and not graph.candidates and id(graph) not in self._graphs_done:
-            state = tiers.maybe_land_graph(graph, args, self.capture.group(graph.group),
-                                           by_steps=self.race.enabled)  # fmt: skip
-            if state in ("ready", "landed", "kept"):  # this step compiled: not a race sample
-                self.race.mark_dirty(self.key)
-            if state == "ready":
-                graph.candidates = tiers.ready_programs(graph)
-                self._racing[graph] = self.key
-                for name in graph.candidates:
-                    self.race.add(name, self.key)
-            elif state == "landed":
-                self.race.reset()
-            if state in ("landed", "kept", "done"):
-                self._graphs_done.add(id(graph))
-        if (id(graph) in self._graphs_done or tiers is None) and not self._backend:
-            graph.on_call = None
-        prog = graph.candidates.get(self.variant)
-        if prog is None:
-            out = graph.runner(*args)
-            if graph.candidates and graph.out_meta is None:
-                graph.out_meta = output_meta(out)  # what each candidate must give
+        rt = self.runtime
+        if id(graph) not in rt._graphs:
+            rt.graph_seen(graph, list(args), self.key)
+        fn = rt.program(graph, self.variant)
+        if fn is graph.captured:
+            out = fn(*args)
+            if graph.out_meta is None:
+                graph.out_meta = output_meta(out)  # what each built program must give
             return out
         if self.variant not in graph.checked:
-            return self._first_candidate_call(graph, self.variant, prog, args)
-        return prog.fn(*args)
+            return self._first_program_call(graph, self.variant, fn, args)
+        return fn(*args)
 
-    def _first_candidate_call(self, graph, name: str, prog, args):
-        """A race candidate's first call of ``graph``: its outputs must have the shapes,
-        dtypes and devices of the current runner's; one that raises or gives others (a
+    def _first_program_call(self, graph, name: str, fn, args):
+        """A built program's first call of ``graph``: its outputs must have the shapes,
+        dtypes and devices of the captured runner's; one that raises or gives others (a
         batch split whose graph baked in a batch size) leaves the race, with its side
-        effects undone, and the current runner runs the call: a candidate never breaks
+        effects undone, and the captured runner runs the call: a contender never breaks
         the user's loop."""
         from autopar.runtime.measure import SideEffectGuard, output_mismatch, written_inputs
 
         guard = SideEffectGuard(args, written_inputs(graph.gm))
         try:
-            out = prog.fn(*args)
+            out = fn(*args)
             why = output_mismatch(out, graph.out_meta)
-        except Exception as exc:  # noqa: BLE001 - any failure: the candidate is not valid
+        except Exception as exc:  # noqa: BLE001 - any failure: the program is not valid
             why = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if why is None:
             graph.checked.add(name)
             return out
         guard.restore()
-        del graph.candidates[name]
-        self.race.remove(name, self.key)
-        self.tiers.reject(graph, name, why)
-        return graph.runner(*args)
+        self.runtime.reject(graph, name, why)
+        return graph.captured(*args)
 
     def _backend_graph_call(self, graph) -> str:
         """A Dynamo graph called outside :meth:`call` (``torch.compile(backend="autopar")``,
-        where no forward call of ours marks the steps); returns its path, ``"eager"`` or
-        ``"compiled"``. A step starts at a graph no later than the one called before it
-        (the next step's first graph; in an inference loop, the same graph again). There,
-        as in :meth:`call`, the training yields the background compile its share of the
-        machine (without it a warm-up at ``SCHED_IDLE`` gets no CPU from a loop that keeps
-        both cores busy), and the race picks the step's path: its key is ``("backend", k)``
-        for the step's first graph ``g<k>``, and its eager steps run each Dynamo graph as
-        Dynamo captured it (``graph.gm``: eager ops, eager autograd)."""
+        where no forward call of ours marks the steps); returns its step's executor. A step
+        starts at a graph no later than the one called before it (the next step's first
+        graph; in an inference loop, the same graph again); its signature is ``("backend",
+        k)`` for the step's first graph ``g<k>``, and its eager steps run each Dynamo graph
+        as Dynamo captured it (``graph.gm``: eager ops, eager autograd)."""
         self._backend = True
         prev, self._last_group = self._last_group, graph.group
         if prev is not None and prev < graph.group:
             return self._path  # the same step's next graph (after a graph break)
-        start = t0 = time.perf_counter()
-        if self.tiers is not None:
-            t0 = self._step_boundary(start)
         self.key = ("backend", graph.group)
-        self._path, self.variant = self._choose_path(self.key, t0, t0 - start)
+        self._path = self.variant = self.runtime.step(self.key, time.perf_counter())
         return self._path
 
-    def _settle_graphs(self, key) -> None:
-        """The race of ``key`` has a verdict: each Dynamo graph racing a candidate for that
-        signature keeps its runner or swaps the candidate in (an eager verdict leaves the
-        race's contenders as they are, for a later re-race)."""
-        verdict = self.race.verdict(key)
-        if verdict == "eager":
-            return
-        reason = self.race.report()[key][1]
-        for graph in [g for g, k in self._racing.items() if k == key]:
-            del self._racing[graph]
-            self.tiers.settle_graph(graph, self.capture.group(graph.group), verdict, reason)
-            self._graphs_done.add(id(graph))
-            if not self._backend:
-                graph.on_call = None
-
     def on_call(self, record: GraphRecord, runner, args):
-        """Every call after a graph's first: land a faster tier when one is ready (between
-        two calls of the graph), then let the monitor time the call."""
-        if self.tiers is not None:
-            if self.tiers.measuring:
-                return runner(args)  # a whole-graph tier's timed run, not a training call
-            before = record.unit
-            self.tiers.maybe_land(record, args)
-            if record.runner is not runner:  # a tier landed: measure everything afresh
-                if before.executor == "plan" and self.race.enabled:  # whole steps judge it
-                    self.kept.keep(record, runner, before, self.key)
-                    self.race.add("plan", self.key)
-                runner = record.runner
-                self.race.reset()
-                self.race.mark_dirty(self.key)
-                self.monitor.rebaseline(record)
-            if self.variant == "plan":
-                runner = self.kept.runner(record, runner)
+        """Every call of a recorded graph after its first: the monitor times it."""
         return self.monitor.on_call(record, runner, args)
 
-    def _step_boundary(self, now: float) -> float:
-        """A step starts at ``now``: sleep for the background compile's share of the machine
-        (``runtime.tiers.COMPILE_SHARE``), in proportion to the previous step's own work (not
-        counting its pause). Returns when the step's own work starts."""
-        if self._prev_call is not None:
-            pause = self.tiers.compile_pause(now - self._prev_call)
-            if pause > 0:
-                time.sleep(pause)
-                now = time.perf_counter()
-        self._prev_call = now
-        return now
-
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until background compiles are done (each lands at its graph's next call)
-        and background re-plans are ready. True when nothing is left pending."""
-        done = True
-        if self.tiers is not None:
-            done = self.tiers.wait(self.records, timeout, self.capture.dynamo_graphs)
+        """Block until background compiles are done (each is compiled here and races from
+        its graph's next step) and background re-plans are ready. True when nothing is left
+        pending."""
+        done = self._runtime is None or self._runtime.builds.wait(timeout)
         self.monitor.wait(timeout)
         return done
-
-    def confirm_by_measurement(self, record: GraphRecord, table, args, plan, program):
-        """The first call's measured choice between ``program`` and the serial program
-        (``runtime.planned.confirm_by_measurement``)."""
-        from autopar.runtime.planned import confirm_by_measurement
-
-        return confirm_by_measurement(record, table, args, plan, program, self.options,
-                                      self.store, self._provenance())  # fmt: skip
 
     def _provenance(self) -> dict:
         return {"profile_store": str(getattr(self.store, "path", None))}
 
-    def plan_and_generate(self, record: GraphRecord, table, executor: str | None = None,
-                          serial: bool = False):  # fmt: skip
+    def plan_and_generate(self, record: GraphRecord, table):
         """Plan ``table`` (one graph's profile) and generate its program
         (``runtime.planned.plan_and_generate``; thread-safe: the adaptive re-planner calls
         it from a background thread)."""
         from autopar.runtime.planned import plan_and_generate
 
-        return plan_and_generate(record, table, self.options, self.store, self._provenance(),
-                                 executor, serial)  # fmt: skip
+        return plan_and_generate(record, table, self.options, self.store, self._provenance())
 
 
 def _empty_batch(args, kwargs) -> bool:
@@ -476,15 +391,6 @@ def _empty_batch(args, kwargs) -> bool:
     every such edge case (an empty ``nn.LSTM`` batch, say) that tracing might not."""
     values = (*args, *kwargs.values())
     return any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in values)
-
-
-def _inductor(options) -> bool:
-    """Whether Inductor is a tier: ``options.inductor``, else ``$AUTOPAR_INDUCTOR`` (default
-    on; the test suite turns it off so that only the tests of Inductor pay its compiles)."""
-    flag = getattr(options, "inductor", None)
-    if flag is None:
-        flag = env_switch("AUTOPAR_INDUCTOR", empty_is_on=False)
-    return bool(flag)
 
 
 def _write_debug(record: GraphRecord, debug_dir: str | None, model: str = "model") -> None:

@@ -319,9 +319,8 @@ class Monitor:
             return
         if record.executor != "plan":
             return  # drift and re-planning concern planned programs (not Inductor's code)
-        tiers = getattr(self.pipeline, "tiers", None)
-        if tiers is not None and tiers.compiling():
-            # The model's own warm-up shares the machine (runtime.tiers): its windows are
+        if self.pipeline.compiling():
+            # The model's own warm-up shares the machine (runtime.builds): its windows are
             # no evidence of drift, and a baseline taken meanwhile makes the machine look
             # 2x faster once the compile is done (the Inception model under
             # backend="autopar", 2026-12-02: "drifted 0.43x", re-profiled on a shared

@@ -103,7 +103,7 @@ class GraphUnit:
     table: Any = field(default=None, repr=False)  # profile DataFrame
     plan: Any = field(default=None, repr=False)  # autopar.planning.plan.Plan
     program: Any = field(default=None, repr=False)  # what runs: autopar.codegen.emit.Program
-    executor: str = "captured"  # the name of what runs it (see autopar.codegen.executors)
+    executor: str = "captured"  # the name of what runs it (see autopar.codegen.emitters)
     fallback: str | None = None  # why this graph runs as captured, if it does
     # The latest measured choice (the first call's streams-vs-serial, a tier's landing):
     # (candidate, best seconds) pairs, e.g. (("inductor", 0.0021), ("plan", 0.0034)).

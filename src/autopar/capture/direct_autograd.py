@@ -32,8 +32,8 @@ and, for a backward compiled with donated buffers (Inductor writes into saved te
 reads last: ``donated``), AOTAutograd's error under ``retain_graph=True``, where a second
 backward would read what the first overwrote.
 
-Switched off with ``AUTOPAR_DIRECT_AUTOGRAD=0`` (every graph then runs through
-AOTAutograd's wrapper, as before).
+A bypass (``autopar.compat``): on a torch release the project has not tested, or with
+``AUTOPAR_BYPASSES=0``, every graph runs through AOTAutograd's wrapper.
 
 Example::
 
@@ -53,11 +53,7 @@ from torch._dynamo import compiled_autograd  # imported by the caller already: D
 from torch._functorch._aot_autograd.runtime_wrappers import coerce_to_expected_memory_format
 from torch._prims_common import make_contiguous_strides_for
 
-from autopar.logs import env_switch
-
-#: ``AUTOPAR_DIRECT_AUTOGRAD=0`` runs every graph through AOTAutograd's runtime wrapper.
-ENV = "AUTOPAR_DIRECT_AUTOGRAD"
-
+from autopar import compat
 
 #: AOTAutograd's error for a backward with donated buffers under ``retain_graph=True``
 #: (torch 2.13, ``runtime_wrappers``), with what autopar adds.
@@ -66,12 +62,12 @@ DONATED_RETAIN = (
     "create_graph=False and retain_graph=False. Please keep backward(create_graph=False, "
     "retain_graph=False) across all backward() function calls, or set "
     "torch._functorch.config.donated_buffer=False to disable donated buffer. (autopar: or set "
-    "AUTOPAR_TIERS without 'joint' and 'split', the executors whose backward donates buffers)"
+    "compile with executors=('eager', 'plan'): 'inductor' and 'split' donate buffers)"
 )
 
 
 def enabled() -> bool:
-    return env_switch(ENV)
+    return compat.bypasses_on()
 
 
 def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocast: bool) -> None:
@@ -102,7 +98,7 @@ def direct_runner(gm: Any, meta: Any, forward: Callable, backward: Callable, aot
     donated buffers (module docstring)."""
     inputs = len(gm.graph.find_nodes(op="placeholder"))
     why = (
-        "switched off ($AUTOPAR_DIRECT_AUTOGRAD)" if not enabled()
+        compat.bypasses_off_reason() if not enabled()
         else "traced under autocast" if autocast
         else unsupported(meta, inputs)
     )  # fmt: skip

@@ -56,10 +56,9 @@ import torch
 import torch._dynamo
 import torch.fx
 
-try:  # torch 2.13's private cache-entry API; without it every call takes Dynamo's path
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as _entries
-except ImportError:  # pragma: no cover - another torch
-    _entries = None
+from autopar import compat
+
+_entries = compat.dynamo_cache_entries()  # None on another torch: Dynamo's path always
 
 #: Names in a compiled frame's code that mean more than one compiled graph runs there:
 #: a resume function after a graph break (Dynamo must catch its frame).
@@ -144,6 +143,8 @@ class CachedFrameCall:
 
 def _unsupported(model: torch.nn.Module, forward: Any, ctx: Any, region: int) -> str | None:
     """Why no call of this compiled module can skip Dynamo's wrappers (None: calls can)."""
+    if not compat.bypasses_on():
+        return compat.bypasses_off_reason()
     if _entries is None:
         return "this torch has no Dynamo cache-entry API"
     if ctx is None or region < 0:

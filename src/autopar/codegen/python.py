@@ -78,7 +78,7 @@ def generate_python(
 ) -> Program:
     """The Python program for ``plan``: straight-line code for one stream, CPU worker streams
     (``autopar.runtime.streams``) for several, or CUDA streams (``autopar.codegen.cuda``).
-    Arguments as in :func:`autopar.codegen.executors.generate`, which most callers use;
+    Arguments as in :func:`autopar.codegen.emitters.generate`, which most callers use;
     ``cuda_graph=True`` raises ``ValueError``: CUDA graphs are Inductor's
     ``mode="reduce-overhead"`` (see ``autopar.codegen.cuda``)."""
     keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in COMPUTE_OPS}

@@ -1,4 +1,5 @@
-"""The persistent profile store: operator measurements as versioned JSON under ``profiles/``.
+"""The persistent profile store: operator measurements as versioned JSON, by default in a
+per-user cache directory (``default_dir()``, ``~/.cache/autopar/profiles``).
 
 One file holds the measurements of one *store key*: the machine (CPU model, OS/arch, GPUs),
 its core count (logical, and usable by this process), the torch version and the OpenMP library
@@ -60,8 +61,10 @@ from typing import Any
 from autopar.errors import StoreWarning
 from autopar.profiling.quality import preferred
 from autopar.profiling.storefiles import (
+    ENV_DIR,
     STALE_TMP_S,
     backup_file,
+    default_dir,
     remove_orphaned_tmp,
     store_lock,
     write_atomically,
@@ -69,9 +72,7 @@ from autopar.profiling.storefiles import (
 
 STORE_FORMAT = "autopar-profile"
 STORE_VERSION = 2  # 2: records carry their quality; the key names cores and OpenMP
-ENV_DIR = "AUTOPAR_PROFILE_DIR"
-DEFAULT_DIR = "profiles"
-__all__ = ["STALE_TMP_S"]  # re-exported: callers of version 1 imported it from here
+__all__ = ["ENV_DIR", "STALE_TMP_S", "default_dir"]  # re-exported (STALE_TMP_S: version 1's)
 
 
 # -- the store key ---------------------------------------------------------------------------
@@ -276,8 +277,7 @@ class ProfileStore:
     """Measurements keyed by operator signature, persisted as one JSON file per machine+torch.
 
     ``path`` is a directory (the file inside is named by ``default_file_name()``) or a
-    ``.json`` file. ``None`` means ``$AUTOPAR_PROFILE_DIR`` or else ``./profiles``. Nothing is
-    written until ``flush()``; the directory is created then.
+    ``.json`` file; ``None``: ``default_dir()``. Nothing is written until ``flush()``.
 
     Example::
 
@@ -306,7 +306,7 @@ class ProfileStore:
             self.path = None
             return
         if path is None:
-            path = os.environ.get(ENV_DIR) or DEFAULT_DIR
+            path = default_dir()
         path = os.fspath(path)
         if not path.endswith(".json"):
             path = os.path.join(path, default_file_name(self.machine, self.torch, self.openmp))

@@ -1,6 +1,7 @@
-"""The profile store's file handling: the inter-process lock, atomic writes, backups of bad
-files and the clean-up of temporary files a killed writer left behind.
+"""The profile store's file handling: where its files go, the inter-process lock, atomic
+writes, backups of bad files and the clean-up of temporary files a killed writer left behind.
 
+* ``default_dir()``: the directory of ``ProfileStore()``, a per-user cache.
 * ``store_lock(path)``: an exclusive ``filelock.FileLock`` on ``<path>.lock``. The operating
   system releases it when its holder dies (``flock``), even by SIGKILL; ``LOCK_TIMEOUT_S``
   bounds the wait, so a stopped process holding it cannot hang training (``flush`` then warns
@@ -41,6 +42,33 @@ from filelock import FileLock
 STALE_TMP_S = 300.0
 #: The longest a flush waits for another process's flush (which takes milliseconds).
 LOCK_TIMEOUT_S = 30.0
+
+#: Names the store's directory, before the per-user cache (``default_dir``).
+ENV_DIR = "AUTOPAR_PROFILE_DIR"
+
+
+def default_dir() -> str:
+    """The directory ``ProfileStore()`` keeps its files in: ``$AUTOPAR_PROFILE_DIR`` if set,
+    else ``$XDG_CACHE_HOME/autopar/profiles``, else ``~/.cache/autopar/profiles``.
+
+    A per-user cache, as torch's own caches are (``$TORCH_HOME``, ``~/.cache/torch``): the
+    measurements belong to the machine and the user, not to whichever directory a training
+    script happens to run in, so every project of the user reuses them. Read at each call,
+    so that a changed environment (a test's temporary directory) takes effect.
+
+    Example::
+
+        >>> default_dir()  # neither variable set, HOME=/home/me  # doctest: +SKIP
+        '/home/me/.cache/autopar/profiles'
+    """
+    explicit = os.environ.get(ENV_DIR)
+    if explicit:
+        return explicit
+    # The XDG base-directory spec: an empty or relative XDG_CACHE_HOME is to be ignored.
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "autopar", "profiles")
 
 
 def store_lock(path: str, timeout: float = LOCK_TIMEOUT_S) -> FileLock:

@@ -1,39 +1,27 @@
-"""Measure, don't assume: time candidate runners of one graph on its real inputs, leaving no
-trace of the extra runs.
+"""Checking a built program's first call without leaving a trace.
 
 A graph may write its inputs (BatchNorm running statistics, ``copy_`` into a buffer) and
-draw from the random generator (dropout). Running it again to time it would apply those
-effects twice and shift the user's RNG stream. :class:`SideEffectGuard` snapshots the
-written inputs and the generator states once, and restores them after every timed run, so
-the training result is exactly as if only the real call had run.
-
-Timing: each candidate runs once to warm up, then ``rounds`` interleaved times (A B A B...,
-so a slow phase of the machine hits every candidate alike); the *minimum* counts, since
-noise only ever adds time. On CUDA every run is bracketed by ``torch.cuda.synchronize``:
-the host returns as soon as the work is enqueued, so an unsynchronised timer measures the
-launch, not the work.
+draw from the random generator (dropout). A program that fails its first call must leave
+no such effect behind, since the captured runner then runs the call again:
+:class:`SideEffectGuard` snapshots the written inputs and the generator states, and
+:meth:`~SideEffectGuard.restore` puts them back. :func:`output_mismatch` says whether a
+program returned what the graph returns (shapes, dtypes, devices).
 
 Example::
 
     >>> guard = SideEffectGuard(args, written=[3])           # doctest: +SKIP
-    >>> best = time_candidates({"a": fa, "b": fb}, args, guard)   # doctest: +SKIP
-    >>> min(best, key=best.get)                               # doctest: +SKIP
-    'b'
+    >>> guard.restore()                                      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from autopar.capture.analysis import buffer_analysis
-
-#: Interleaved timed runs per candidate (after one warm-up run each).
-ROUNDS = 3
 
 
 def written_inputs(gm: fx.GraphModule) -> list[int]:
@@ -64,42 +52,6 @@ class SideEffectGuard:
         torch.set_rng_state(self.cpu_rng)
         for d, state in self.cuda_rng.items():
             torch.cuda.set_rng_state(state, d)
-
-
-def _sync(args: Sequence[Any]) -> Callable[[], None]:
-    devices = {a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda}
-    if not devices:
-        return lambda: None
-    return lambda: [torch.cuda.synchronize(d) for d in devices] and None
-
-
-def time_candidates(
-    fns: dict[str, Callable[[list], Any]],
-    args: Sequence[Any],
-    guard: SideEffectGuard,
-    rounds: int = ROUNDS,
-) -> dict[str, float]:
-    """Best-of-``rounds`` seconds per candidate; ``fns[name](list(args))`` runs one. A
-    candidate that raises is dropped (it is not a valid executor for these inputs)."""
-    sync = _sync(args)
-    best = {name: float("inf") for name in fns}
-    alive = dict(fns)
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, fn in list(alive.items()):
-            sync()
-            t0 = time.perf_counter()
-            try:
-                fn(list(args))
-                sync()
-            except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
-                del alive[name]
-                best.pop(name)
-                continue
-            finally:
-                guard.restore()
-            if r:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def output_meta(out) -> list:

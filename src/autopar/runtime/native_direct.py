@@ -16,8 +16,8 @@ When (:meth:`NativePaths.refresh`, at every step boundary of ``Pipeline.call``):
 graph's runner is its ``DirectGraph`` with contiguous incoming gradients; both halves run
 native programs (their records' runners are ``codegen.emit.Boxed`` native programs whose
 inputs are exactly the graph's: no constants appended) over tensor inputs and outputs; and
-the caller's state needs none of the Python calls: no tier left to land, no race turn of a
-kept program, nothing for the monitor to do at the next call (no re-profile due). Otherwise
+the caller's state needs none of the Python calls: the signature's verdict is ``plan`` with no
+judge's turn left, nothing for the monitor to do at the next call (no re-profile due). Otherwise
 the Python function runs, as before; a swapped program (a tier, a re-plan, the race putting
 a kept program back) changes a record's runner, which ends the path at the next boundary.
 
@@ -25,7 +25,7 @@ What the Python calls did is kept: the programs time themselves (``Program.take_
 and :meth:`NativePaths.drain` hands those times to the monitor at the next step boundary
 (``Monitor.observed``: call counts, drift windows, ``autopar.stats`` rows), before anything
 else of that step. The autograd semantics are ``DirectGraph``'s (see ``interp.cpp``).
-``AUTOPAR_NATIVE_DIRECT=0`` switches the path off.
+A bypass: off on a torch release the project has not tested (``autopar.compat``).
 
 Example::
 
@@ -42,17 +42,15 @@ from typing import Any
 
 import torch
 
+from autopar import compat
 from autopar.capture.direct_autograd import DirectGraph
 from autopar.codegen.emit import Boxed
-from autopar.logs import env_switch
 from autopar.runtime import native
-
-#: ``AUTOPAR_NATIVE_DIRECT=0`` keeps every training graph on the Python autograd function.
-ENV = "AUTOPAR_NATIVE_DIRECT"
 
 
 def enabled() -> bool:
-    return env_switch(ENV)
+    """A bypass (``autopar.compat``): only on a tested torch release."""
+    return compat.bypasses_on()
 
 
 class NativeDirect:

@@ -18,6 +18,30 @@ import argparse
 import difflib
 import os
 
+
+class UsageError(Exception):
+    """A mistake in what the user asked for, found after parsing: reported like argparse's
+    own errors (exit status 2), without a traceback.
+
+    Example::
+
+        >>> raise UsageError("give at least one --input-shape")   # doctest: +SKIP
+    """
+
+
+def one_line(text: object) -> str:
+    """The first non-blank line of ``text``, stripped: what an error message quotes of an
+    exception whose text runs over several lines.
+
+    Example::
+
+        >>> one_line(ValueError("shape mismatch" + chr(10) + "  at line 3"))
+        'shape mismatch'
+    """
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
 #: The dtypes the command line can make example inputs of (random floats, or ints in 0..9).
 INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
 
@@ -115,6 +139,32 @@ def image_file(text: str) -> str:
             f"{text!r} needs an image extension, one of {', '.join(IMAGE_SUFFIXES)} (e.g. plan.png)"
         )
     return output_file(text)
+
+
+#: Where the profile store is when ``--store`` is not given (``profiling.store.default_dir``).
+STORE_DEFAULT = (
+    "$AUTOPAR_PROFILE_DIR, else $XDG_CACHE_HOME/autopar/profiles, else ~/.cache/autopar/profiles"
+)
+
+
+def add_store_argument(parser: argparse.ArgumentParser) -> None:
+    """``--store``: the profile store, with one name, check and help text in every command
+    (profile, plan, bench, demo, store).
+
+    Example::
+
+        >>> p = argparse.ArgumentParser()
+        >>> add_store_argument(p)
+        >>> p.parse_args(["--store", "mine.json"]).store, p.parse_args([]).store
+        ('mine.json', None)
+    """
+    parser.add_argument(
+        "--store",
+        type=store_path,
+        default=None,
+        metavar="PATH",
+        help=f"the profile store: a .json file or a directory (default {STORE_DEFAULT})",
+    )
 
 
 def store_path(text: str) -> str:

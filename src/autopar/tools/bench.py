@@ -5,14 +5,14 @@ inputs, same target, same optimizer). A training step is ``zero_grad -> forward 
 backward -> optimizer.step``. The run of one model has three phases:
 
 1. **First steps**, one contender at a time: eager, then ``torch.compile`` (Dynamo + Inductor,
-   a cold compile in a fresh Inductor cache), then autopar (capture + profile + plan + measure;
-   its Inductor tier starts compiling in a background process). Each is reported as "1st
+   a cold compile in a fresh Inductor cache), then autopar (capture + profile + plan; its
+   Inductor executors start compiling in a background process). Each is reported as "1st
    step s", the time to first step; it is never counted in the medians.
-2. **autopar settles**, alone (so that its race times whole steps undisturbed):
+2. **autopar settles**, alone (so that its judge times whole steps undisturbed):
    ``autopar.wait`` until the background compiles are done, then autopar-only steps until
-   every graph's tier has landed or lost and the race of eager against compiled steps has a
-   verdict (at most ``--settle-steps`` steps and ``--settle-s`` seconds). The table reports
-   how long this took, which executor runs each graph, and the race verdict.
+   the judge's verdicts stand and nothing is left to build (at most ``--settle-steps``
+   steps and ``--settle-s`` seconds). The table reports how long this took, which executor
+   runs each graph, and the verdict.
 3. **Steady state**, interleaved: ``--warmup`` untimed rounds, then rounds until
    ``--steps`` steps per contender were timed. Each round runs one step of every
    contender, in a rotating order reversed every other round (ABBA), so a slow phase of
@@ -25,19 +25,23 @@ backward -> optimizer.step``. The run of one model has three phases:
    Medians, and ratios vs eager and vs the best of eager and ``torch.compile`` with a 90%
    bootstrap interval over the rounds (``tools.bench_stats``).
 
-autopar's cost model predicts the run time of each graph's planned program. Once an
-Inductor tier has landed, autopar no longer runs those programs, so a fourth contender,
-``autopar-plans`` (autopar with ``inductor=False, race=False``: its planned programs always),
+autopar's cost model predicts the run time of each graph's planned program. Where another
+executor won, autopar no longer runs those programs, so a fourth contender,
+``autopar-plans`` (autopar with ``executors=("plan",)``: its planned programs always),
 trains alongside in phase 3; the cost model's error is its predicted forward + backward graph
 time against the graph times its monitor measured there (median over the timed steps). It is
 not a peer: it never counts as "best". With ``--no-tier`` autopar itself is that contender.
 ``--backend`` adds ``autopar-backend``, ``torch.compile(model, backend="autopar",
 dynamic=False)`` with the same options, settled like autopar; also a probe, not a peer.
 
+``--model MODULE_OR_FILE:FACTORY`` runs them on the user's own model (``FACTORY()`` returns
+``(model, example_inputs)``) and ends with whether autopar is worth it there (``format_verdict``).
+
 Example::
 
     autopar bench --quick                              # a smoke run, about a minute
     autopar bench --models towers,bert --steps 20
+    autopar bench --model my_model.py:make             # is autopar worth it on my model?
     python benchmarks/bench_training.py --models towers --no-inductor
 """
 
@@ -62,18 +66,19 @@ import torch
 import torch.nn as nn
 
 from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
-from autopar.tools.args import positive_int
-from autopar.tools.bench_models import BENCH_MODELS, BenchModel, default_models, make_loss
+from autopar.tools.args import add_store_argument, positive_int
+from autopar.tools.bench_models import BENCH_MODELS, BenchModel, choose_models, make_loss
 from autopar.tools.bench_report import (  # noqa: F401 - re-exported: the bench's public names
     CSV_COLUMNS,
     _load,
     describe_state,
     format_result,
     format_summary,
+    format_verdict,
+    ladder_of,
     machine_state,
     meta,
     skipped_note,
-    tier_on,
     write_csv,
 )
 from autopar.tools.bench_settle import (
@@ -84,6 +89,7 @@ from autopar.tools.bench_settle import (
     inductor_cache,
 )
 from autopar.tools.bench_stats import ratio_interval
+from autopar.tools.factory import METAVAR
 
 CONTENDERS = ("eager", "torch.compile", "autopar", "autopar-plans")
 #: ``--backend``: ``torch.compile(model, backend="autopar")``, after the others.
@@ -97,10 +103,7 @@ QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "s
 #: process, differed by up to 1.3-2.2% in median step (Transformer) and 0.5-1.6% (HF BERT)
 #: over 240 rounds (2026-12-02, 4 copies, 2 runs each); 60 rounds leave about twice that,
 #: as much as the gaps the bench is read for. The rounds cost seconds; the compiles minutes.
-#: Settling is bounded by time as well as steps: the race confirms its verdict 10 s after the
-#: first race (``runtime.race.CONFIRM_AFTER_S``) and a tier that lands races again, so a
-#: fast model needs more steps. 10,000 steps of the Transformer (3.1 ms, 2026-12-04) ended
-#: 58 s after its first step, mid-race, and its race's turns were then timed as autopar.
+#: Settling is bounded by time as well as steps: a contender built late races again.
 DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 100000, "settle_s": 300.0, "block": 1}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
 NOISY_IQR_PCT = 50
@@ -127,9 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Time full training steps (forward + loss + backward + optimizer step) of eager "
         "PyTorch, torch.compile (Inductor) and autopar on the same models, interleaved in one "
-        "process, after autopar's background tiers and race have settled. Prints medians, "
+        "process, after autopar's background builds and its judge have settled. Prints medians, "
         "ratios vs eager and vs the best of eager/torch.compile, time to first step, when the "
-        "fastest tier landed, the executor per graph and the race verdict; writes JSON and CSV."
+        "judge settled, the executor per graph and the verdict; writes JSON and CSV."
     )
     parser.add_argument(
         "--models",
@@ -139,6 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated models to run, from {','.join(BENCH_MODELS)} (default: all "
         "whose packages are installed; bert and gpt2 need transformers)",
     )
+    parser.add_argument(
+        "--model", default=None, metavar=METAVAR,
+        help="your own model instead of the built-in ones: a callable returning (model, "
+        "example_inputs), e.g. my_model.py:make; ends with whether autopar is worth it on it",
+    )  # fmt: skip
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -172,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--settle-steps",
         type=int,
         default=None,
-        help="at most this many autopar-only steps after autopar.wait, for its tiers to land "
+        help="at most this many autopar-only steps after autopar.wait, for its builds to race "
         f"and its race to decide (default {DEFAULTS['settle_steps']}; 0: none)",
     )
     parser.add_argument(
@@ -226,13 +234,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-tier",
         action="store_true",
-        help="autopar without its Inductor tier (inductor=False); torch.compile still runs. "
+        help="autopar without its Inductor executors (inductor=False); torch.compile still runs. "
         "Default: autopar.compile's default ($AUTOPAR_INDUCTOR, on unless set to 0)",
     )
     parser.add_argument(
         "--no-background",
         action="store_true",
-        help="autopar with background=False: its Inductor tier compiles in the first step",
+        help="autopar with background=False: its Inductor executors compile at the second step",
     )
     parser.add_argument(
         "--no-race",
@@ -249,7 +257,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warm-cache",
         action="store_true",
         help="use Inductor's usual on-disk cache (default: a fresh empty cache per model and "
-        "contender, so first steps and tier times are cold-start times)",
+        "contender, so first steps and settle times are cold-start times)",
     )
     parser.add_argument(
         "--optimizer",
@@ -262,12 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile autopar with adapt=False (no drift monitor, no re-profiling mid-run)",
     )
-    parser.add_argument(
-        "--store",
-        default=None,
-        help="autopar's profile store (.json or directory; default ./profiles or "
-        "$AUTOPAR_PROFILE_DIR)",
-    )
+    add_store_argument(parser)
     parser.add_argument(
         "--out",
         default="results/bench.json",
@@ -282,17 +285,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_args(args) -> argparse.Namespace:
-    """Fill the defaults that depend on ``--quick`` (models, steps, warm-up, settle steps)."""
+    """Fill the defaults that depend on ``--quick`` (models, steps, warm-up, settle steps) and
+    the models to run (``bench_models.choose_models``: ``args.models``, ``skipped``, ``specs``)."""
     quick = getattr(args, "quick", False)
-    if getattr(args, "skipped", None) is None:  # default models whose package is missing
-        args.skipped = {} if getattr(args, "models", None) is not None else {
-            n: m.requires for n, m in BENCH_MODELS.items() if not m.available}  # fmt: skip
-    if getattr(args, "models", None) is None:
-        args.models = (
-            [m for m in QUICK["models"] if BENCH_MODELS[m].available]
-            if quick
-            else default_models()
-        )
+    choose_models(args, QUICK["models"] if quick else None)
     for name, default in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, QUICK[name] if quick else default)
@@ -323,7 +319,6 @@ class Contender:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     t_first: float = 0.0  # perf_counter at the start of the first step
-    watch: Any = None  # autopar: its TierWatch, from the settle phase on
 
     def median_ms(self, which: str = "step") -> float | None:
         xs = self.step_s if which == "step" else self.fwbw_s
@@ -387,9 +382,9 @@ def _make_contenders(model: nn.Module, args) -> list[Contender]:
             module = torch.compile(m)
         elif name == "autopar":
             module = autopar.api.compile(m, **autopar_options(args))
-        else:
-            module = autopar.api.compile(m, **{**autopar_options(args), "inductor": False,
-                                               "race": False})  # fmt: skip
+        else:  # its planned programs always: what the cost model predicts
+            module = autopar.api.compile(m, **{**autopar_options(args), "executors": ("plan",),
+                                               "inductor": None, "race": True})  # fmt: skip
         out.append(Contender(name, module, _optimizer(args.optimizer, m)))
     if args.backend:
         m = copy.deepcopy(model)
@@ -510,8 +505,8 @@ def noisy(res: dict[str, Any]) -> str | None:
 
 
 def run_model(name: str, args, default_threads: int) -> dict[str, Any]:
-    """``bench_model`` on one model, waiting for a quiet machine first (``--wait-quiet``), and
-    again (``--retries``, with a fresh profile store) while the run looks noisy."""
+    """``bench_model`` on ``args.specs[name]``, waiting for a quiet machine first
+    (``--wait-quiet``), and again (``--retries``, with a fresh profile store) while noisy."""
     discarded = []
     for attempt in range(args.retries + 1):
         before = machine_state(default_threads, args.wait_quiet)
@@ -523,7 +518,7 @@ def run_model(name: str, args, default_threads: int) -> dict[str, Any]:
             run_args = argparse.Namespace(**vars(args))
             run_args.store = tempfile.mkdtemp(prefix="autopar-bench-store-")
         t0 = time.perf_counter()
-        res = bench_model(BENCH_MODELS[name], run_args, default_threads)
+        res = bench_model(args.specs[name], run_args, default_threads)
         res["wall_s"] = time.perf_counter() - t0
         res["machine_before"] = before
         res["machine_after"] = machine_state(default_threads)
@@ -546,17 +541,17 @@ def main(args) -> int:
     default_threads = torch.get_num_threads()
     names = ", ".join([*(c for c in CONTENDERS if not (c == "torch.compile" and args.no_inductor)),
                        *([BACKEND] if args.backend else [])])  # fmt: skip
-    tier = "on" if tier_on(args) else "off"
+    ladder = ",".join(ladder_of(args))
     print(
         f"autopar bench: training steps of {names} on {len(args.models)} model(s) "
         f"({','.join(args.models)}), in one process.\n"
         f"   torch {torch.__version__}, {os.cpu_count()} CPU(s), {default_threads} intra-op "
         f"threads; a 'step' is zero_grad + forward + loss + backward + "
-        f"{args.optimizer.upper()} step. autopar's Inductor tier: {tier}; Inductor cache: "
+        f"{args.optimizer.upper()} step. autopar's executors: {ladder}; Inductor cache: "
         f"{'warm (the usual one)' if args.warm_cache else 'fresh per model and contender'}.\n"
         "   '1st step s' is each contender's first step (compilation included, not in the "
-        "medians); autopar then settles alone\n   (autopar.wait, then steps until its tiers "
-        "landed and its race decided) before the interleaved timed rounds.\n"
+        "medians); autopar then settles alone\n   (autopar.wait, then steps until its judge "
+        "decided) before the interleaved timed rounds.\n"
         "   'eager/x' and 'best/x': eager's (or the faster of eager and torch.compile's) median "
         "over the contender's; > 1 is faster.\n   '(IQR %)' is the spread of the step "
         "times (interquartile range / median): large values mean a noisy measurement.",
@@ -578,6 +573,8 @@ def main(args) -> int:
         results.append(res)
         print("\n" + format_result(res, args) + f"\n   ({res['wall_s']:.0f} s)", flush=True)
     print("\n" + format_summary(results))
+    if getattr(args, "model", None):  # the user's question, answered last: worth it?
+        print("\n" + "\n".join(format_verdict(res) for res in results))
     doc = {"meta": meta(args, default_threads), "results": results}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,5 +1,6 @@
 """The models of ``autopar bench``: zoo models and, when ``transformers`` is installed, tiny
-randomly initialised Hugging Face BERT and GPT-2 (built from a config: nothing is downloaded).
+randomly initialised Hugging Face BERT and GPT-2 (built from a config: nothing is downloaded);
+and the user's own (``--model MODULE_OR_FILE:FACTORY``, ``user_model``).
 
 Each :class:`BenchModel` says how to build the model, its inputs and its loss, so that every
 contender trains the same thing. The HF models are wrapped so that the compiled module returns
@@ -19,14 +20,18 @@ Example::
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.tools import zoo
+from autopar.tools.args import UsageError, one_line
+from autopar.tools.factory import load_model
 
 #: Token vocabulary of the tiny HF models (GPT-2's real 50,257 would make the LM head and its
 #: logits dominate the step; 1,024 keeps the transformer layers the bulk of the work).
@@ -61,14 +66,85 @@ class BenchModel:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
-def make_loss(spec: BenchModel, out: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def make_loss(spec: BenchModel, out: Any) -> Callable[[Any], torch.Tensor]:
     """The loss of ``spec``'s training step, with its random target drawn now (from the
-    global generator, after the inputs) for outputs shaped like ``out``."""
+    global generator, after the inputs) for outputs shaped like ``out``. An output that is not
+    one tensor (a tuple, a list, a dict or a Hugging Face ``ModelOutput``) trains on the sum of
+    the ``"mse"`` losses of its floating-point tensors."""
     if spec.loss == "ce":
         labels = torch.randint(0, out.shape[-1], out.shape[:-1])
         return lambda o: F.cross_entropy(o.reshape(-1, o.shape[-1]), labels.reshape(-1))
-    target = torch.randn_like(out)
-    return lambda o: F.mse_loss(o, target)
+    if isinstance(out, torch.Tensor):
+        target = torch.randn_like(out)
+        return lambda o: F.mse_loss(o, target)
+    targets = [torch.randn_like(t) for t in float_tensors(out)]
+    return lambda o: sum(F.mse_loss(t, g) for t, g in zip(float_tensors(o), targets, strict=True))
+
+
+def float_tensors(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output, in order (tuples, lists and dicts,
+    nested; a Hugging Face ``ModelOutput`` is a dict).
+
+    Example::
+
+        >>> len(float_tensors((torch.ones(2), {"n": torch.arange(3), "y": torch.zeros(1)})))
+        2
+    """
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, tuple | list):
+        return [t for o in out for t in float_tensors(o)]
+    return []
+
+
+def user_model(spec: str) -> BenchModel:
+    """The ``BenchModel`` of ``autopar bench --model MODULE_OR_FILE:FACTORY``: ``FACTORY()``
+    returns ``(model, example_inputs)``; the loss is ``"mse"`` against a random target (summed
+    over the output's floating-point tensors). The factory is called now, and the model run
+    once eagerly, so that a factory or a model that does not work fails before any timing, in
+    one line (``UsageError``); each run of the bench calls it again, under the bench's seed.
+
+    Example::
+
+        >>> user_model("my_model.py:make").name                  # doctest: +SKIP
+        'my_model:make'
+    """
+    model, inputs = load_model(spec)
+    if inputs is None:
+        raise UsageError(
+            f"{spec} returned the model alone; autopar bench needs example inputs: make it "
+            "return (model, example_inputs)"
+        )
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(*inputs)
+    except Exception as exc:
+        raise UsageError(
+            f"{spec}: the model does not run on its example inputs: {type(exc).__name__}: "
+            f"{one_line(exc)}"
+        ) from exc
+    if not float_tensors(out):
+        raise UsageError(
+            f"{spec}: the model's output holds no floating-point tensor to train on "
+            f"(got {type(out).__name__})"
+        )
+    where, _, name = spec.rpartition(":")
+    label = f"{os.path.splitext(os.path.basename(where))[0]}:{name}"
+    made: dict[str, tuple] = {}  # the inputs of make()'s factory call, for make_inputs()
+
+    def make() -> nn.Module:
+        m, made["inputs"] = load_model(spec)
+        return m
+
+    return BenchModel(
+        label,
+        f"{type(model).__name__} from {spec}",
+        make,
+        tuple(tuple(x.shape) for x in inputs),
+        inputs=lambda: made.pop("inputs", None) or load_model(spec)[1],
+    )
 
 
 # -- the Hugging Face models -----------------------------------------------------------------
@@ -188,3 +264,36 @@ BENCH_MODELS: dict[str, BenchModel] = {
 def default_models() -> list[str]:
     """Every model whose requirements import here."""
     return [n for n, m in BENCH_MODELS.items() if m.available]
+
+
+def choose_models(args, quick: list[str] | None = None) -> None:
+    """Which models ``autopar bench`` runs: sets ``args.models`` (names), ``args.skipped``
+    (default models left out, ``{name: package}``) and ``args.specs`` (``{name: BenchModel}``).
+    ``--model`` (``args.model``): the user's model alone, loaded and checked here (a factory
+    that fails is a ``UsageError``); else ``--models``; else ``quick``'s available models
+    (``--quick``), or every default one. A second call changes nothing.
+
+    Example::
+
+        >>> import argparse
+        >>> args = argparse.Namespace(models=["towers"])
+        >>> choose_models(args)
+        >>> args.models, args.skipped, type(args.specs["towers"]).__name__
+        (['towers'], {}, 'BenchModel')
+    """
+    if getattr(args, "specs", None) is not None:
+        return
+    given = getattr(args, "models", None)
+    if getattr(args, "model", None) is not None:
+        if given is not None:
+            raise UsageError("give --model (your own model) or --models (built-in ones), not both")
+        spec = user_model(args.model)
+        args.models, args.skipped, args.specs = [spec.name], {}, {spec.name: spec}
+        return
+    if getattr(args, "skipped", None) is None:  # the default list says what it leaves out
+        args.skipped = {} if given is not None else {
+            n: m.requires for n, m in BENCH_MODELS.items() if not m.available}  # fmt: skip
+    if given is None:
+        given = [m for m in quick if BENCH_MODELS[m].available] if quick else default_models()
+    args.models = given
+    args.specs = {n: BENCH_MODELS[n] for n in given}

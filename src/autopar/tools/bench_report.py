@@ -137,30 +137,89 @@ def format_result(res: dict[str, Any], args) -> str:
 
 
 def _autopar_lines(a: dict[str, Any]) -> list[str]:
-    """autopar's settle phase: the wait, when the fastest tiers were in place, the executor
-    of every graph and the race verdict."""
+    """autopar's settle phase: the wait, when the verdicts stood, what runs every graph and
+    the verdicts."""
     if "settle_steps" not in a:
         return []
-    fastest = a.get("fastest_tier_s")
     lines = [
-        f"   autopar tiers: Inductor tier {'on' if a['inductor_tier'] else 'off'}; "
-        f"autopar.wait {a['wait_s']:.1f} s{'' if a['wait_done'] else ' (timed out)'}; every "
-        f"graph on its final executor {_fmt(fastest, '.1f', '?')} s after the first step "
-        f"began; {'settled' if a['settled'] else 'NOT settled'} after {a['settle_steps']} "
-        f"autopar-only step(s), {a['settled_s']:.1f} s after it"
+        f"   autopar ladder: {', '.join(a.get('ladder', [])) or '-'}; autopar.wait "
+        f"{a['wait_s']:.1f} s{'' if a['wait_done'] else ' (timed out)'}; "
+        + (f"settled {_fmt(a.get('final_s'), '.1f')} s after the first step began"
+           if a["settled"] else "NOT settled")
+        + f", after {a['settle_steps']} autopar-only step(s)"
     ]
     for g in a.get("graphs", ()):
-        how = g["tier"] or (
-            "no Inductor tier" if not a["inductor_tier"]
-            else "no tier: the graph runs as captured" if g["executor"] == "captured"
-            else "no tier verdict yet"
-        )  # fmt: skip
-        lines.append(f"   autopar {g['tag']:<6} -> {g['executor']:<8} {how}")
+        lines.append(f"   autopar {g['tag']:<6} -> {executor_name(g)}")
+    for e in a.get("events", ())[-6:]:
+        lines.append(f"   autopar event: {e}")
     for r in a.get("race", ()):
         lines.append(
-            f"   autopar race {r['signature']}: {r['verdict'] or 'no verdict'} ({r['reason']})"
+            f"   autopar verdict {r['signature']}: {r['verdict'] or 'none'} ({r['reason']})"
         )
     return lines
+
+
+def format_verdict(res: dict[str, Any]) -> str:
+    """What ``autopar bench --model`` ends with: the steady-state ratio of autopar to the best
+    of eager and ``torch.compile``, each contender's time to first step, and one sentence:
+    whether autopar is worth it on this model. "Worth it" needs the ratio's 90% interval
+    (``tools.bench_stats``) above 1.00; an interval that holds 1.00 is not a gain. A run that
+    cannot tell says so instead, and how to rerun: autopar had not settled when the timing
+    began (still compiling or choosing its executors: ``--quick`` on a cold machine), or
+    another process disturbed it.
+
+    Example::
+
+        >>> row = lambda ms, first: {"median_step_ms": ms, "first_step_s": first,
+        ...     "error": None, "speedup_vs_best": 2.0 / ms, "vs_best_interval": (1.1, 1.3)}
+        >>> res = {"model": "m", "contenders": {"eager": row(2.0, 0.01),
+        ...     "torch.compile": row(2.2, 9.0), "autopar": row(1.66, 0.8)}}
+        >>> format_verdict(res).splitlines()[-1].split(": ")[-1]
+        'worth it.'
+    """
+    c = res["contenders"]
+    ap, tc = c.get("autopar"), c.get("torch.compile")
+    peers = {n: r for n in ("eager", "torch.compile")
+             if (r := c.get(n)) and not r["error"] and r["median_step_ms"] is not None}  # fmt: skip
+    best = min(peers, key=lambda n: peers[n]["median_step_ms"], default="eager")
+    against = "eager and torch.compile" if tc is not None else "eager (torch.compile not run)"
+    lines = [f"== is autopar worth it on {res['model']}?"]
+    if ap is None or ap["error"] or ap["median_step_ms"] is None:
+        why = ap["error"] if ap and ap["error"] else "no timed step"
+        lines.append(f"   autopar failed on this model ({why}): use {best}.")
+        return "\n".join(lines)
+    medians = ", ".join(f"{n} {r['median_step_ms']:.3f} ms" for n, r in peers.items())
+    ratio, ci = ap["speedup_vs_best"], ap.get("vs_best_interval")
+    interval = f" (90% interval {ci[0]:.2f}-{ci[1]:.2f})" if ci else " (too few steps: no interval)"
+    lines.append(
+        f"   steady state: autopar {ap['median_step_ms']:.3f} ms per step, {medians}: "
+        f"{_ratio(ratio)} the best{interval}"
+    )
+    firsts = ", ".join(f"{n} {_seconds(r['first_step_s'])}" for n, r in c.items()
+                       if n in ("autopar", *peers) and r["first_step_s"] is not None)  # fmt: skip
+    lines.append(f"   time to first step: {firsts}")
+    # Time to settle and the first minute's figures belong here (the runtime's own report).
+    lo, hi = ci if ci else (ratio, ratio)
+    head = f"autopar is {_ratio(ratio)} the best of {against} in steady state on this model"
+    cannot = f"   {head}, but this run cannot tell whether it is worth it: "
+    if res.get("autopar", {}).get("settled") is False:
+        lines.append(cannot + "autopar had not settled (still compiling or choosing its "
+                     "executors); rerun without --quick or with a larger --settle-s.")  # fmt: skip
+    elif res.get("noisy"):
+        lines.append(cannot + f"{res['noisy']}; rerun on a quiet machine (--wait-quiet 60 "
+                     "--retries 2).")  # fmt: skip
+    elif lo > 1.0:
+        lines.append(f"   {head}: worth it.")
+    elif hi < 1.0:
+        lines.append(f"   {head}: slower than {best}: use {best}.")
+    else:
+        lines.append(f"   {head}, within the noise: not faster than {best} here: use {best}.")
+    return "\n".join(lines)
+
+
+def _seconds(s: float) -> str:
+    """``12.3 s``, ``0.84 s``, or ``4.2 ms`` below a tenth of a second (eager's first step)."""
+    return f"{s:.1f} s" if s >= 10 else f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.1f} ms"
 
 
 def format_summary(results: list[dict[str, Any]]) -> str:
@@ -170,10 +229,10 @@ def format_summary(results: list[dict[str, Any]]) -> str:
         "torch.compile's) median / the contender's (>1 is faster)",
         "   (90% CI): bootstrap over the interleaved rounds (tools.bench_stats); an interval "
         "that holds 1.00 is no evidence either way",
-        "   first steps: torch.compile / autopar, seconds; tiers: s from autopar's first step "
-        "until every graph ran on its final executor",
+        "   first steps: torch.compile / autopar, seconds; settled: s from autopar's first step "
+        "until its verdicts stood",
         f"   {'model':<12} {'eager ms':>9} {'torch.compile':>13} {'autopar':>8} "
-        f"{'autopar/best (90% CI)':>21} {'1st step tc / ap s':>18} {'tiers s':>8} "
+        f"{'autopar/best (90% CI)':>21} {'1st step tc / ap s':>18} {'settled':>8} "
         f"{'model err':>9}  {'executors':<18} race",
     ]
     for res in results:
@@ -200,7 +259,7 @@ def format_summary(results: list[dict[str, Any]]) -> str:
             f"   {model:<12} {val('eager', 'median_step_ms', '.3f'):>9} "
             f"{sp('torch.compile'):>13} {sp('autopar'):>8} "
             f"{vs_best(c.get('autopar')):>21} {first:>18} "
-            f"{_fmt(a.get('fastest_tier_s'), '.1f'):>8} "
+            f"{_fmt(a.get('final_s'), '.1f'):>8} "
             f"{err + ('%' if err != 'n/a' else ''):>9}  "
             f"{executors_brief(a.get('graphs', [])):<18} {race_brief(a.get('race', []))}"
         )
@@ -230,7 +289,7 @@ CSV_COLUMNS = [
     "timed_steps",
     "predicted_fwbw_ms",
     "prediction_error_pct",
-    "fastest_tier_s",
+    "settled_s",
     "executors",
     "race",
     "error",
@@ -250,18 +309,19 @@ def write_csv(path: str, results: list[dict[str, Any]]) -> None:
                     a = res["autopar"]
                     row["predicted_fwbw_ms"] = a.get("predicted_fwbw_ms")
                     row["prediction_error_pct"] = a.get("prediction_error_pct")
-                    row["fastest_tier_s"] = a.get("fastest_tier_s")
+                    row["settled_s"] = a.get("final_s")
                     row["executors"] = executors_brief(a.get("graphs", []))
                     row["race"] = race_brief(a.get("race", []))
                 w.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
 
 
-def tier_on(args) -> bool:
-    """Whether autopar compiles with its Inductor tier: off by ``--no-inductor``/``--no-tier``,
-    else autopar.compile's default, ``$AUTOPAR_INDUCTOR`` (on unless 0/false/off)."""
-    if args.no_inductor or getattr(args, "no_tier", False):
-        return False
-    return os.environ.get("AUTOPAR_INDUCTOR", "1").lower() not in ("0", "false", "off", "")
+def ladder_of(args) -> tuple[str, ...]:
+    """The executor ladder autopar compiles with under these options (``--no-inductor``,
+    ``--no-tier``, ``--no-race`` take executors off ``autopar.compile``'s default)."""
+    from autopar.api import resolve_ladder
+
+    no_ind = args.no_inductor or getattr(args, "no_tier", False)
+    return resolve_ladder(None, not getattr(args, "no_race", False), False if no_ind else None)
 
 
 def _load() -> float | None:
@@ -354,7 +414,7 @@ def meta(args, default_threads: int) -> dict[str, Any]:
         "policy": args.policy,
         "adapt": not getattr(args, "no_adapt", False),
         "inductor": not args.no_inductor,
-        "autopar_inductor_tier": tier_on(args),
+        "autopar_ladder": list(ladder_of(args)),
         "background": not getattr(args, "no_background", False),
         "race": not getattr(args, "no_race", False),
         "inductor_cache": "warm" if getattr(args, "warm_cache", False) else "fresh",

@@ -1,7 +1,7 @@
 """autopar's second phase in ``autopar bench``: after its first step, wait for the background
-Inductor compiles, then step autopar alone until every graph's tier has landed or lost and
-the race of whole eager steps against compiled steps has a verdict; and record what runs
-each graph, when it got there, and the verdict.
+Inductor compiles, then step autopar alone until the judge's verdicts stand and nothing is
+left to build (``runtime.decide``); and record what runs each graph, when it got there,
+and the verdicts.
 
 Also :func:`autopar_prediction` and :func:`cost_model_check` (what autopar's plans predict,
 and the cost model against the planned programs' measured times), and
@@ -13,7 +13,7 @@ Example::
     >>> ...interleaved timed steps...
     >>> settle = autopar_final(contender, settle)          # doctest: +SKIP
     >>> settle["graphs"][0]["executor"], settle["race"][0]["verdict"]   # doctest: +SKIP
-    ('inductor', 'compiled')
+    ('inductor', 'inductor')
 """
 
 from __future__ import annotations
@@ -26,112 +26,62 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# -- autopar's tiers and race ------------------------------------------------------------------
-#: Executors that only a tier puts in place (a graph runs one from some step after the first).
-TIERS = ("inductor", "segments", "joint", "split")
+
+def _verdicts(pipeline) -> list[dict[str, Any]]:
+    from autopar.adapt.shapes import describe_key
+
+    rt = pipeline._runtime
+    report = rt.judge.report() if rt is not None else {}
+    return [{"signature": describe_key(k), "verdict": v, "reason": why}
+            for k, (v, why) in report.items()]  # fmt: skip
 
 
-def _settled(pipeline) -> bool:
-    """No tier left to land and every input signature's race has a verdict."""
-    if pipeline.tiers is not None and pipeline.tiers.pending():
-        return False
-    return not pipeline.race.enabled or all(v for v, _ in pipeline.race.report().values())
+def _graphs(cmodel) -> list[dict[str, Any]]:
+    import autopar.api
 
-
-def _tier_stamp(unit):
-    return next((p for p in reversed(unit.provenance) if p.stage == "tier"), None)
-
-
-class TierWatch:
-    """When each graph's final executor was in place, seen from the bench: the end of the
-    first step, or the end of the step in which a tier's provenance stamp appeared."""
-
-    def __init__(self, cmodel, t_first: float, first_step_s: float):
-        self.cmodel, self.t_first, self.first_step_s = cmodel, t_first, first_step_s
-        self.stamped: dict[str, float] = {}  # tag -> s after the first step began
-        self.look()
-
-    def look(self) -> None:
-        import autopar.api
-
-        now = time.perf_counter() - self.t_first
-        for u in autopar.api.graphs(self.cmodel):
-            stamp = _tier_stamp(u)
-            if u.tag not in self.stamped and stamp is not None:
-                # a tier that landed a planned program (remeasure, native) keeps "plan"
-                landed = u.executor in TIERS or stamp.note.endswith("landed")
-                self.stamped[u.tag] = now if landed else self.first_step_s
-
-    def graphs(self) -> list[dict[str, Any]]:
-        import autopar.api
-
-        out = []
-        for u in autopar.api.graphs(self.cmodel):
-            stamp = _tier_stamp(u)
-            since = self.stamped.get(u.tag, self.first_step_s)
-            out.append({
-                "tag": u.tag,
-                "executor": u.executor,
-                # a planned program on the native interpreter (codegen.native)
-                "native": getattr(u.program, "executor", "") == "native",
-                "tier": stamp.note if stamp else None,
-                "tier_ready_s": stamp.seconds if stamp else None,
-                "final_since_s": since if u.executor not in TIERS or u.tag in self.stamped
-                else None,
-            })  # fmt: skip
-        return out
+    return [{"tag": u.tag, "executor": u.executor,
+             # a planned program on the native interpreter (codegen.native)
+             "native": getattr(u.program, "executor", "") == "native"}
+            for u in autopar.api.graphs(cmodel)]  # fmt: skip
 
 
 def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
     """Phase 2 for autopar: ``autopar.wait``, then autopar-only steps until settled."""
     import autopar.api
-    from autopar.adapt.shapes import describe_key
 
     pipeline = autopar.api._pipeline_of(c.module, "autopar_settle")
-    watch = TierWatch(c.module, c.t_first, c.compile_s or 0.0)
     t0 = time.perf_counter()
     waited = autopar.api.wait(c.module, timeout=args.wait_timeout)
     wait_s = time.perf_counter() - t0
     steps, t_steps = 0, time.perf_counter()
-    while (not _settled(pipeline) and steps < args.settle_steps and c.error is None
+    while (not pipeline.runtime.settled() and steps < args.settle_steps and c.error is None
            and time.perf_counter() - t_steps < args.settle_s):  # fmt: skip
         step()
         steps += 1
-        watch.look()
-    c.watch = watch
+    settled = pipeline.runtime.settled()
     return {
-        "inductor_tier": pipeline.tiers is not None and "inductor" in pipeline.tiers.kinds,
+        "ladder": list(pipeline.ladder),
         "first_call_s": pipeline.compile_seconds,
         "wait_s": wait_s,
         "wait_done": waited,
         "settle_steps": steps,
-        "settled": _settled(pipeline),
-        "settled_s": time.perf_counter() - c.t_first,
-        "tier_events": list(pipeline.tiers.events) if pipeline.tiers is not None else [],
-        "race": [
-            {"signature": describe_key(k), "verdict": v, "reason": why}
-            for k, (v, why) in pipeline.race.report().items()
-        ],
+        "settled": settled,
+        # from the first step's start until every verdict stood (None: not settled)
+        "final_s": time.perf_counter() - c.t_first if settled else None,
+        "events": list(pipeline.runtime.events),
+        "race": _verdicts(pipeline),
     }
 
 
 def autopar_final(c, settle: dict[str, Any]) -> dict[str, Any]:
-    """What runs autopar's graphs at the end of the run, and the race verdict then."""
+    """What runs autopar's graphs at the end of the run, and the verdicts then."""
     import autopar.api
-    from autopar.adapt.shapes import describe_key
 
     pipeline = autopar.api._pipeline_of(c.module, "autopar_final")
-    c.watch.look()
-    graphs = c.watch.graphs()
-    since = [g["final_since_s"] for g in graphs]
     settle = dict(settle)
-    settle["graphs"] = graphs
-    settle["fastest_tier_s"] = max(since) if since and None not in since else None
-    settle["race"] = [
-        {"signature": describe_key(k), "verdict": v, "reason": why}
-        for k, (v, why) in pipeline.race.report().items()
-    ]
-    settle["tier_events"] = list(pipeline.tiers.events) if pipeline.tiers is not None else []
+    settle["graphs"] = _graphs(c.module)
+    settle["race"] = _verdicts(pipeline)
+    settle["events"] = list(pipeline.runtime.events)
     return settle
 
 

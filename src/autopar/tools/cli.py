@@ -2,9 +2,11 @@
 
 Examples::
 
-    autopar profile autopar.tools.zoo:inception --input-shape 8,3,16,16 --out inception.json
+    autopar profile autopar.tools.zoo:inception --input-shape 8,3,16,16 --store inception.json
     autopar plan autopar.tools.zoo:towers --input-shape 32,64 --streams 2 --gantt plan.png
+    autopar plan my_model.py:make                  # make() returns (model, example_inputs)
     autopar bench --models inception,towers --steps 20
+    autopar bench --model my_model.py:make         # is autopar worth it for my model?
     autopar bench-report results/bench-full/bench.json --readme README.md
     autopar demo --model towers
     autopar --version
@@ -18,26 +20,24 @@ full traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
+import warnings
 
-EPILOG = """MODULE:FACTORY names a zero-argument callable returning an nn.Module, e.g.
-autopar.tools.zoo:inception or mypkg.models:make_model (the current directory is importable)."""
+from autopar.tools.args import UsageError
+from autopar.tools.args import one_line as _one_line
+from autopar.tools.factory import METAVAR, load_model
+
+EPILOG = """MODULE:FACTORY or FILE.py:FACTORY (MODULE_OR_FILE:FACTORY) names a zero-argument
+callable returning an nn.Module, or (model, example_inputs), e.g. autopar.tools.zoo:inception,
+mypkg.models:make_model (the current directory is importable) or path/to/my_model.py:make."""
+
+#: Former option names, still accepted but not shown in --help: {command: {old: new}}.
+RENAMED = {"profile": {"--out": "--store"}}
 
 DEBUG_ENV = "AUTOPAR_DEBUG"
 DEBUG_HINT = f"rerun with --debug (or {DEBUG_ENV}=1) for the full traceback"
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for, found after parsing: reported like argparse's
-    own errors (exit status 2), without a traceback.
-
-    Example::
-
-        >>> raise UsageError("give at least one --input-shape")   # doctest: +SKIP
-    """
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,37 +48,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {_one_line(message)}\nsee '{self.prog} --help'\n")
 
 
-def _one_line(text: object) -> str:
-    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else ""
-
-
 def _debug_requested(args) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def _load_factory(spec: str):
-    if ":" not in spec:
-        raise UsageError(f"expected MODULE:FACTORY (e.g. autopar.tools.zoo:mlp), got {spec!r}")
-    mod_name, fn_name = spec.split(":", 1)
-    if os.getcwd() not in sys.path:  # the user's own models live next to where they run
-        sys.path.insert(0, os.getcwd())
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import module {mod_name!r}: {exc}") from None
-    fn = getattr(mod, fn_name, None)
-    if fn is None or not callable(fn):
-        raise UsageError(f"{mod_name!r} has no callable {fn_name!r}")
-    import torch.nn as nn
+def _renamed(argv: list[str]) -> list[str]:
+    """``argv`` with the former option names of its command (``RENAMED``) replaced by
+    today's; each use warns (FutureWarning), and the options' help shows only the new name.
 
-    try:
-        model = fn()
-    except Exception as exc:
-        raise UsageError(f"{spec}() raised {type(exc).__name__}: {_one_line(exc)}") from exc
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"{spec} returned {type(model).__name__}, not an nn.Module")
-    return model
+    Example::
+
+        >>> _renamed(["profile", "m:f", "--out=p.json"])  # doctest: +SKIP
+        ['profile', 'm:f', '--store=p.json']
+    """
+    command = next((a for a in argv if not a.startswith("-")), None)
+    names = RENAMED.get(command or "", {})
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--":
+            break
+        old, eq, value = arg.partition("=")
+        if old in names:
+            warnings.warn(
+                f"autopar {command}: {old} is the former name of {names[old]}; use {names[old]}",
+                FutureWarning,
+                stacklevel=3,
+            )
+            out[i] = names[old] + eq + value
+    return out
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -112,19 +109,26 @@ def _model_and_inputs(args):
     a shape or dtype that does not fit fails here in one line, not deep inside tracing."""
     import torch
 
-    if not args.input_shape:
-        raise UsageError("give at least one --input-shape (one per model input), e.g. 16,32")
-    model = _load_factory(args.model)
-    param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    dtype = getattr(torch, args.dtype)
-    if dtype.is_floating_point and param is not None and param.dtype != dtype:
-        have = str(param.dtype).removeprefix("torch.")
+    model, given = load_model(args.model)
+    if args.input_shape:
+        param = next((p for p in model.parameters() if p.is_floating_point()), None)
+        dtype = getattr(torch, args.dtype)
+        if dtype.is_floating_point and param is not None and param.dtype != dtype:
+            have = str(param.dtype).removeprefix("torch.")
+            raise UsageError(
+                f"--dtype {args.dtype} does not match the model's {have} parameters (autopar "
+                f"runs the model as its factory returns it): pass --dtype {have}, or make "
+                f"{args.model} return a {args.dtype} model"
+            )
+        inputs = _inputs(args)
+        where = f"{_shapes_text(args)} ({args.dtype})"
+    elif given is not None:
+        inputs, where = given, "the example inputs its factory returned"
+    else:
         raise UsageError(
-            f"--dtype {args.dtype} does not match the model's {have} parameters (autopar runs "
-            f"the model as its factory returns it): pass --dtype {have}, or make "
-            f"{args.model} return a {args.dtype} model"
+            "give at least one --input-shape (one per model input), e.g. 16,32, or make "
+            f"{args.model} return (model, example_inputs)"
         )
-    inputs = _inputs(args)
     saved = [b.detach().clone() for b in model.buffers()]
     try:
         # fork_rng and the buffer restore keep the check from changing what is profiled
@@ -133,7 +137,7 @@ def _model_and_inputs(args):
             model(*inputs)
     except Exception as exc:
         raise UsageError(
-            f"{args.model} does not run on {_shapes_text(args)} ({args.dtype}): "
+            f"{args.model} does not run on {where}: "
             f"{type(exc).__name__}: {_one_line(exc)}; pass the shape(s) its forward expects"
         ) from exc
     finally:
@@ -146,13 +150,18 @@ def _model_and_inputs(args):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from autopar.tools.args import INPUT_DTYPES, dtype_name
 
-    p.add_argument("model", metavar="MODULE:FACTORY", help="callable returning the nn.Module")
+    p.add_argument(
+        "model",
+        metavar=METAVAR,
+        help="callable returning the nn.Module, or (model, example_inputs)",
+    )
     p.add_argument(
         "--input-shape",
         type=_shape,
         action="append",
         metavar="D0,D1,...",
-        help="shape of one example input (repeat for several inputs)",
+        help="shape of one example input (repeat for several inputs); random inputs of these "
+        "shapes replace the example inputs a factory returns",
     )
     p.add_argument(
         "--dtype",
@@ -178,7 +187,7 @@ def cmd_profile(args) -> int:
     from autopar.profiling.store import ProfileStore
 
     model, inputs = _model_and_inputs(args)
-    store = ProfileStore(args.out)
+    store = ProfileStore(args.store)
     table = profile(model, *inputs, store=store)
     print(profile_table_summary(table, top=args.top))
     store.flush()
@@ -284,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         True
     """
     from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
-    from autopar.tools.args import image_file, output_file, positive_int, store_path
+    from autopar.tools.args import add_store_argument, image_file, output_file, positive_int
+
     parser = _Parser(
         prog="autopar",
         description="Operator-profiling auto-parallelization compiler for PyTorch training.",
@@ -302,12 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     _add_model_args(p)
-    p.add_argument(
-        "--out",
-        type=store_path,
-        default=None,
-        help="store: a .json file or a directory (default ./profiles)",
-    )
+    add_store_argument(p)  # formerly --out, still accepted (RENAMED)
     p.add_argument("--top", type=positive_int, default=10, help="how many top operators to print")
     p.add_argument(
         "--csv", type=output_file, default=None, help="also write the whole profile table as CSV"
@@ -323,9 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SINGLE_DEVICE_POLICY_NAMES,
         help="partitioner (auto: the one the simulator predicts fastest)",
     )
-    p.add_argument(
-        "--store", type=store_path, default=None, help="profile store (.json file or directory)"
-    )
+    add_store_argument(p)
     p.add_argument(
         "--gantt", type=image_file, default=None, help="write the Gantt chart (.png/.svg/.pdf) here"
     )
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["plan", "autopar.tools.zoo:mlp", "--input-shape", "16,32"])  # doctest: +SKIP
         0
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_renamed(sys.argv[1:] if argv is None else argv))
     parser: argparse.ArgumentParser = args.parser
     debug = _debug_requested(args)
     try:

@@ -7,14 +7,13 @@ an ``nn.LSTMCell`` loop; ``towers``, a multi-tower MLP; ``bert``, a tiny random 
 BERT (needs ``transformers``). No data is downloaded.
 
 Every contender trains its own copy of the same initial weights on the same batches, one
-step each per round, in a fixed order. After the first step the demo waits for autopar's
-background Inductor compiles (``autopar.wait``; ``--no-wait`` trains through them: on a
-2-core machine the compile process then slows every step down). Training runs ``--steps``
-steps, then goes on (up to ``--settle-s`` seconds) until autopar has *settled* (its Inductor
-tiers landed or lost, its race of whole eager against compiled steps decided) and
-``--steady-steps`` more steps ran: the steps after settling are the ones timed. The last
-screen says, per graph, which executors were measured, which one runs and why, predicted
-against measured time and when each tier landed; the pictures (plan timeline,
+step each per round, in a fixed order. After the second step the demo waits for autopar's
+background Inductor compiles (``autopar.wait``; ``--no-wait`` trains through them, at idle
+priority). Training runs ``--steps`` steps, then goes on (up to ``--settle-s`` seconds)
+until autopar has *settled* (its judge decided which executor runs the steps, nothing left
+to build) and ``--steady-steps`` more steps ran: the steps after settling are the ones
+timed. The last screen shows the executor ladder of every graph, the verdict and its step
+times, and per graph predicted against measured time; the pictures (plan timeline,
 predicted-vs-measured trace, loss plot, step-time bars) go into ``--out``.
 
 Example::
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from autopar.tools.args import positive_int
+from autopar.tools.args import add_store_argument, positive_int
 from autopar.tools.demo_models import (  # noqa: F401 - re-exported: the demo's public names
     MODELS,
     VOCAB,
@@ -103,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle-s", type=float, default=None,
         help="after --steps, keep training up to this many seconds until autopar has settled "
-        "(tiers landed or lost, race decided) and --steady-steps more steps ran (default 150)",
+        "(its judge decided, nothing left to build) and --steady-steps more steps ran "
+        "(default 150)",
     )  # fmt: skip
     parser.add_argument(
         "--steady-steps", type=positive_int, default=30,
@@ -116,12 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--no-wait", action="store_true",
-        help="train on while autopar's Inductor tiers compile in the background (the default "
-        "waits after step 1: on few cores the compile disturbs the steps and the race)",
+        help="train on while autopar's Inductor executors compile in the background (the "
+        "default waits after step 2: the compile gets little CPU from a busy 2-core loop)",
     )  # fmt: skip
     parser.add_argument(
         "--no-inductor-tier", action="store_true",
-        help="compile autopar without its Inductor tier (default: $AUTOPAR_INDUCTOR, on)",
+        help="compile autopar without its Inductor executors (inductor=False)",
     )  # fmt: skip
     parser.add_argument(
         "--streams", type=positive_int, default=None,
@@ -143,10 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="agreement: the first 10 steps' losses must match within tol/50, and the 10-step "
         "moving averages of the two loss curves within tol (default 0.05)",
     )  # fmt: skip
-    parser.add_argument(
-        "--store", default=None,
-        help="autopar's profile store (default ./profiles or $AUTOPAR_PROFILE_DIR)",
-    )  # fmt: skip
+    add_store_argument(parser)
     parser.add_argument("--out", default="results/demo", help="folder for the demo's files")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -168,18 +165,15 @@ def resolve_args(args) -> argparse.Namespace:
     return args
 
 
-def inductor_tier_on(args) -> bool:
-    """Whether autopar compiles with its Inductor tier: off by ``--no-inductor-tier``, else
-    ``autopar.compile``'s default, ``$AUTOPAR_INDUCTOR`` (on unless 0/false/off).
+def inductor_on(args) -> bool:
+    """Whether autopar may compile with Inductor here: off by ``--no-inductor-tier``.
 
     Example::
 
-        >>> inductor_tier_on(argparse.Namespace(no_inductor_tier=True))
+        >>> inductor_on(argparse.Namespace(no_inductor_tier=True))
         False
     """
-    if getattr(args, "no_inductor_tier", False):
-        return False
-    return os.environ.get("AUTOPAR_INDUCTOR", "1").lower() not in ("0", "false", "off", "")
+    return not getattr(args, "no_inductor_tier", False)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -214,7 +208,7 @@ def _contenders(task, args, inductor: bool) -> list[Contender]:
         out.append(Contender("torch.compile", torch.compile(m),
                              torch.optim.Adam(m.parameters(), lr=task.lr)))  # fmt: skip
     cmodel = autopar.compile(task.model, streams=args.streams, store=args.store,
-                             inductor=inductor)  # fmt: skip
+                             inductor=None if inductor else False)  # fmt: skip
     out.append(Contender("autopar", cmodel, torch.optim.Adam(task.model.parameters(), lr=task.lr)))
     return out
 
@@ -252,16 +246,16 @@ def _train(task, contenders: list[Contender], args, watch) -> tuple[int | None, 
             if step == 0 and c.name != "eager":
                 bar.write(f"step 1: {c.name} compiled the model in its first step: "
                           f"{c.step_s[0]:.1f} s")  # fmt: skip
-        if step == 0 and watch.inductor and not args.no_wait:
-            _wait_for_tiers(ap.module, args, bar)
+        if step == 1 and not args.no_wait:  # the second step queued the builds
+            _wait_for_builds(ap.module, args, bar)
         for line in watch.look(ap.module, step, time.perf_counter() - t_first):
             bar.write(line[:160])
         if not watch.settled:
-            settled_at = None  # e.g. a re-plan or a landed tier reopened the race
+            settled_at = None  # e.g. a re-plan or a new contender reopened the race
         elif settled_at is None:
             settled_at = step + 1
-            bar.write(f"step {step + 1}: autopar settled: every graph on its final executor, "
-                      "the race decided")  # fmt: skip
+            bar.write(f"step {step + 1}: autopar settled: the judge decided, nothing left to "
+                      "build")  # fmt: skip
         bar.set_postfix({c.name: f"{c.losses[-1]:.3f}" for c in contenders})
         bar.update(1)
         step += 1
@@ -269,12 +263,11 @@ def _train(task, contenders: list[Contender], args, watch) -> tuple[int | None, 
     return settled_at, caught
 
 
-def _wait_for_tiers(cmodel, args, bar) -> None:
-    """``autopar.wait`` after the first step. Training could go on while the Inductor tiers
-    compile in another process (that is what autopar does by default), but on a 2-core
-    machine the compile takes a core: every step meanwhile is 10-50x slower, the race of
-    eager against compiled steps would be decided on those disturbed steps, and an "eager"
-    verdict stops the graphs from being called, so their tiers could never land."""
+def _wait_for_builds(cmodel, args, bar) -> None:
+    """``autopar.wait`` after the second step, which queued the Inductor builds. Training
+    could go on while they compile in another process at idle priority (what autopar does by
+    default), but a 2-core machine whose training keeps both cores busy leaves the compile
+    little CPU: the demo would end before the judge saw them."""
     import autopar
 
     bar.write("waiting for autopar's background compiles (autopar.wait; --no-wait trains "
@@ -282,8 +275,8 @@ def _wait_for_tiers(cmodel, args, bar) -> None:
     t0 = time.perf_counter()
     done = autopar.wait(cmodel, timeout=max(args.settle_s, 1.0))
     what = "done" if done else "NOT done (timed out)"
-    bar.write(f"... {what} after {time.perf_counter() - t0:.1f} s; each tier is measured "
-              "against the running program at its graph's next call")  # fmt: skip
+    bar.write(f"... {what} after {time.perf_counter() - t0:.1f} s; each build races from "
+              "the next step")  # fmt: skip
 
 
 def _window(n_steps: int, settled_at: int | None, steady: int) -> tuple[int, int, str]:
@@ -330,7 +323,7 @@ def main(args) -> int:
         return 2
     t_start = time.perf_counter()
     task = build_task(args)
-    inductor = inductor_tier_on(args)
+    inductor = inductor_on(args)
     contenders = _contenders(task, args, inductor)
     cmodel = contenders[-1].module
     names = ", ".join(c.name for c in contenders)
@@ -338,16 +331,16 @@ def main(args) -> int:
         f"{names}: each trains its own copy of the same initial weights on the same batches, "
         f"one step each per round; at least {args.steps} steps, then until autopar settles (at "
         f"most {args.settle_s:.0f} s more) and {args.steady_steps} steps after that, which are "
-        f"the timed ones. autopar's Inductor tier: {'on' if inductor else 'off'}"
+        f"the timed ones. autopar's Inductor executors: {'on' if inductor else 'off'}"
         + ("" if not inductor or args.no_wait else
-           "; the demo waits for it after step 1 (autopar.wait)") + "."
+           "; the demo waits for their compile after step 2 (autopar.wait)") + "."
     )  # fmt: skip
     print(f"autopar demo --model {task.name}: " + task.about[0])
     for line in [*task.about[1:], "how    : " + how]:
         print(textwrap.fill(line, 100, initial_indent="  ", subsequent_indent=" " * 11,
                             break_long_words=False, break_on_hyphens=False))
     sys.stdout.flush()
-    watch = Watch(inductor=inductor)
+    watch = Watch()
     settled_at, caught = _train(task, contenders, args, watch)
     losses = {c.name: c.losses for c in contenders}
     n = len(contenders[0].losses)
@@ -379,7 +372,7 @@ def main(args) -> int:
     ex = autopar.explain(cmodel)
     files["programs (autopar.explain)"] = os.path.join(args.out, "program.py")
     with open(files["programs (autopar.explain)"], "w") as f:
-        f.write(str(ex))
+        f.write(ex.text(verbose=True))
     info = {
         "model": task.title, "agree": agree, "agreement": agreement, "window": window,
         "times": {k: (v[0], v[2]) if v else None for k, v in times.items()},
@@ -387,6 +380,6 @@ def main(args) -> int:
         "untimed": note.split(": ", 1)[-1] if note else "",
     }  # fmt: skip
     print()
-    print(final_screen(ex, graph_decisions(ex, calls, watch), info))
+    print(final_screen(ex, graph_decisions(ex, calls), info))
     print(f"(demo wall time {time.perf_counter() - t_start:.0f} s, {n} steps)")
     return 0 if agree else 1

@@ -49,12 +49,11 @@ def write_timeline(cmodel, path: str, title: str) -> str | None:
     return Plan.combine(plans).gantt(path, title=title)
 
 
-def measured_events(calls, tags: list[str], timed: dict | None = None) -> list[dict[str, Any]]:
+def measured_events(calls, tags: list[str]) -> list[dict[str, Any]]:
     """Trace events of what was measured, one process per graph, laid end to end in graph
     order as the step runs them: a ``call`` row per executor (the median of its last 50
-    calls), for multi-stream programs a row per stream (median busy time of the monitor's
-    samples), and a row per candidate the compiler timed to choose (``timed``: tag -> list
-    of (candidate, ms, when), as in ``GraphDecision.candidates``).
+    calls), and for multi-stream programs a row per stream (median busy time of the
+    monitor's samples).
 
     Example::
 
@@ -97,15 +96,6 @@ def measured_events(calls, tags: list[str], timed: dict | None = None) -> list[d
             events.append({"name": f"stream {sid} busy (median of {len(samples)} samples)",
                            "cat": "measured", "ph": "X", "ts": t, "dur": busy, "pid": pid,
                            "tid": tid, "args": {"samples": len(samples)}})  # fmt: skip
-        for j, (name, ms, when) in enumerate((timed or {}).get(tag, ())):
-            if ms is None or ms == float("inf"):
-                continue  # predicted only, or a candidate that failed to run
-            tid = 200 + j
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"name": f"timed to choose ({when})"}})  # fmt: skip
-            events.append({"name": f"{name}: {ms:.3f} ms", "cat": "measured", "ph": "X",
-                           "ts": t, "dur": ms * 1e3, "pid": pid, "tid": tid,
-                           "args": {"when": when}})  # fmt: skip
         t += last
     return events
 
@@ -125,8 +115,7 @@ def write_trace(cmodel, calls, path: str) -> str | None:
     """One Chrome trace-event file (open it in https://ui.perfetto.dev): the predicted
     timeline of every planned graph, one event per operator on its stream (processes
     ``g0.fw (forward), <policy>`` ...), and what was measured (processes ``measured: g0.fw``
-    ..., see :func:`measured_events`: the calls, and the candidates timed to choose the
-    executor). None with no plan.
+    ..., see :func:`measured_events`). None with no plan.
 
     Example::
 
@@ -146,11 +135,8 @@ def write_trace(cmodel, calls, path: str) -> str | None:
             e["args"]["name"] = "predicted: " + e["args"]["name"]
         elif e["ph"] == "M" and e["name"] == "process_sort_index":
             e["args"]["sort_index"] = 2 * e["pid"]  # graph k's measured process goes under it
-    from autopar.tools.demo_report import graph_decisions
-
-    decisions = graph_decisions(autopar.explain(cmodel), None)
-    timed = {d.tag: d.candidates for d in decisions}
-    trace["traceEvents"] += measured_events(calls, [d.tag for d in decisions], timed)
+    tags = [u.tag for u in autopar.explain(cmodel).graphs]
+    trace["traceEvents"] += measured_events(calls, tags)
     trace["otherData"]["measured"] = "autopar.stats(cmodel, per='graph'): median call times"
     return write_chrome_trace(trace, path)
 

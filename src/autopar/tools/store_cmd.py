@@ -2,8 +2,8 @@
 
 Examples::
 
-    autopar store show                          # this machine's store under ./profiles
-    autopar store show --store profiles --sort contention --limit 50
+    autopar store show                          # this machine's store in the user's cache
+    autopar store show --store ~/.cache/autopar/profiles --sort contention --limit 50
     autopar store verify --target convolution   # re-time entries, flag those > 1.5x off
     autopar store verify --fix                  # ... and replace them (clean re-measurements)
     autopar store prune --provisional           # drop entries measured under contention
@@ -28,9 +28,9 @@ from typing import Any
 from autopar.profiling.heal import HEAL_RATIO, verify_store
 from autopar.profiling.quality import is_provisional, quality
 from autopar.profiling.store import (
-    DEFAULT_DIR,
     ENV_DIR,
     ProfileStore,
+    default_dir,
     default_file_name,
     read_store_file,
     store_key,
@@ -112,7 +112,8 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
             "--store",
             type=store_path,
             default=None,
-            help=f"a .json store or a directory (default ${ENV_DIR} or ./{DEFAULT_DIR})",
+            help=f"a .json store or a directory (default ${ENV_DIR}, else "
+            "$XDG_CACHE_HOME/autopar/profiles, else ~/.cache/autopar/profiles)",
         )
         q.add_argument(
             "--debug",
@@ -133,7 +134,7 @@ def main(args) -> int:
 
 # -- helpers ---------------------------------------------------------------------------------
 def _location(args) -> str:
-    return args.store or os.environ.get(ENV_DIR) or DEFAULT_DIR
+    return args.store or default_dir()
 
 
 def _ms(seconds: Any) -> str:

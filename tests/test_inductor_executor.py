@@ -1,15 +1,16 @@
-"""The joint tier: a whole Dynamo graph compiled by Inductor's own pipeline (``compile_fx``,
-as ``torch.compile`` does), swapped in for both halves at once, only after a measured
-forward and backward (``autopar.runtime.joint_tier``).
+"""The ``inductor`` executor: a whole Dynamo graph compiled by Inductor's own pipeline
+(``compile_fx``, as ``torch.compile`` does), running both halves at once
+(``autopar.runtime.executors.inductor``), built in the background and raced by the judge.
 
-Landing is forced here (``JOINT_MARGIN`` raised) where the test is about correctness, not
-about which executor is faster on this machine. The compiles are Inductor's: seconds each,
-so the models are small and few.
+Where a test is about correctness, not about which executor is faster on this machine, the
+ladder holds ``inductor`` alone (``executors=("inductor",)``): it runs from the step after
+its build. The compiles are Inductor's: seconds each, so the models are small and few.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -18,21 +19,11 @@ from nets import BranchyNet, compile_and_land, dynamo_graph, race_side_by_side, 
 from oracle import assert_close_to_oracle, check_training
 
 import autopar
-import autopar.runtime.tiers as tiers
 from autopar.codegen.joint import dynamo_meta, restore_dynamo_meta, roles, with_roles
 from autopar.profiling.store import ProfileStore
-from autopar.runtime.joint_tier import time_forward_backward, trains, unmeasurable
+from autopar.runtime import builds
+from autopar.runtime.executors.inductor import trains
 from autopar.tools import zoo
-
-
-@pytest.fixture
-def joint_only(monkeypatch):
-    monkeypatch.setenv("AUTOPAR_TIERS", "joint")
-
-
-@pytest.fixture
-def always_land(monkeypatch, joint_only):
-    monkeypatch.setattr(tiers, "JOINT_MARGIN", float("inf"))
 
 
 def _grad_inputs(inputs):
@@ -41,102 +32,103 @@ def _grad_inputs(inputs):
 
 
 @pytest.mark.parametrize("name", ["dropout", "inplace_views", "lstm_cells"])
-def test_zoo_trains_like_eager_on_the_joint_executor(name, always_land):
+def test_zoo_trains_like_eager_on_the_inductor_executor(name):
     """Dropout (the RNG), BatchNorm statistics and in-place views, autopar's fused LSTM
-    cells (custom ops): with the joint executor running both halves, one training step
+    cells (custom ops): with the inductor executor running both halves, one training step
     equals eager by the fp64 oracle."""
     model, inputs = zoo.build(name)
     compiled = {}
     compile_fn = compile_and_land(lambda: _grad_inputs(inputs), compiled)
     check_training(model, inputs, compile_fn, opt_name="sgd")
     executors = {u.tag: u.executor for u in autopar.graphs(compiled["m"])}
-    assert set(executors.values()) == {"joint"}, executors
+    assert set(executors.values()) == {"inductor"}, executors
 
 
-def test_background_joint_tier_lands_mid_training_from_a_warm_cache(always_land):
-    """Training starts on autopar's per-graph programs; the joint compile runs in a warm-up
-    process and the training process then hits Inductor's cache; the swap happens at a step
-    boundary, after a forward and backward measured with dropout and BatchNorm undone: the
-    run equals eager's under the same seeds, step by step, buffers included."""
+def test_a_background_build_runs_mid_training_from_a_warm_cache():
+    """Training starts at once; the compile runs in the warm-up worker and the training
+    process then hits Inductor's cache at a step boundary; from then on the inductor
+    program runs the steps: the run equals eager's under the same seeds, step by step,
+    buffers included."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     model = BranchyNet()
     eager = copy.deepcopy(model)
-    cmodel = autopar.compile(model, inductor=True, background=True, race=False,
-                             store=ProfileStore.memory())  # fmt: skip
+    cmodel = autopar.compile(model, executors=("inductor",), store=ProfileStore.memory())
     hits = []
 
     def between(step: int) -> None:
         if step == 1:
-            before = counters["inductor"]["fxgraph_cache_hit"]
-            assert autopar.wait(cmodel, timeout=300)  # warm-up done, compiled here
-            hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
+            assert autopar.wait(cmodel, timeout=300)  # warm-up done: compiled here next
+            hits.append(counters["inductor"]["fxgraph_cache_hit"])
+        elif step == 2:
+            hits[0] = counters["inductor"]["fxgraph_cache_hit"] - hits[0]
 
     seen = train_side_by_side(cmodel, eager, torch.randn(8, 16), 5, between)
-    assert seen[0] == {"plan"}  # training started at once on the planned programs
-    assert seen[-1] == {"joint"}  # ... and the joint executor landed mid-training
+    assert seen[0] == {"captured"}  # training started at once, on the captured graphs
+    assert seen[-1] == {"inductor"}  # ... and the inductor program ran mid-training
     assert hits == [2], hits  # forward and backward came from the warm-up's cache
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
-    assert "joint landed" in autopar.explain(cmodel)
-    assert "forward+backward" in autopar.explain(cmodel).graphs[0].provenance[-1].note
+    ex = autopar.explain(cmodel)
+    assert ex.rungs["g0"]["inductor"].startswith("built") and ex.steps
 
 
-def test_a_tensor_hook_keeps_the_current_executor_and_says_why(always_land):
-    """``autograd.grad`` would run a parameter's tensor hook once per timed run: the joint
-    candidate is not measured, the per-graph executors stay, and the tier line says why;
-    the hook ran exactly once per step."""
+def test_a_tensor_hook_runs_once_a_step_whatever_runs_the_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     calls = []
     model[0].weight.register_hook(lambda g: calls.append(1))
-    cmodel = autopar.compile(model, inductor=True, background=False, race=False,
-                             store=ProfileStore.memory())  # fmt: skip
-    for _ in range(3):
+    cmodel = autopar.compile(model, executors=("eager", "plan", "inductor"),
+                             background=False, store=ProfileStore.memory())  # fmt: skip
+    for _ in range(20):
         cmodel(torch.randn(4, 8)).sum().backward()
-    assert len(calls) == 3
-    assert {u.executor for u in autopar.graphs(cmodel)} == {"plan"}
-    assert "not measured (an input that requires grad has a tensor hook" in autopar.explain(
-        cmodel
-    )
+    assert len(calls) == 20
 
 
-def test_measuring_a_forward_and_backward_leaves_no_trace():
-    """The timed runs restore buffers and the generator, and accumulate no ``.grad``."""
-    torch.manual_seed(0)
-    lin, bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+def test_a_hung_warm_up_is_stopped_at_the_limit(monkeypatch):
+    """A warm-up that never ends must not hold a core for good, nor hang ``autopar.wait``:
+    past WARMUP_LIMIT_S it is stopped and its build given up, with the reason."""
+    import subprocess
 
-    def fn(w, b, mean, var, x):
-        h = torch.nn.functional.linear(x, w, b)
-        h = torch.nn.functional.batch_norm(h, mean, var, training=True)
-        return torch.nn.functional.dropout(h, 0.5)
+    class Hung:
+        killed = False
 
-    args = [lin.weight, lin.bias, bn.running_mean, bn.running_var, torch.randn(8, 4)]
-    before = [a.detach().clone() for a in args]
-    rng = torch.get_rng_state()
-    best = time_forward_backward({"a": fn, "b": fn}, args, rounds=2)
-    assert set(best) == {"a", "b"} and all(t > 0 for t in best.values())
-    assert all(torch.equal(a, b) for a, b in zip(args, before, strict=True))
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert lin.weight.grad is None and lin.bias.grad is None
+        def poll(self):
+            return -9 if self.killed else None
+
+        def wait(self, timeout=None):
+            if not self.killed:
+                time.sleep(min(timeout or 0.05, 0.05))
+                raise subprocess.TimeoutExpired("hung", timeout)
+            return -9
+
+        def kill(self):
+            self.killed = True
+
+    class G:
+        tag = "g0"
+
+    monkeypatch.setattr(builds, "WARMUP_LIMIT_S", 0.3)
+    b = builds.Builds(background=True)
+    job = Hung()
+    b.add(builds.Build(G(), "inductor", "k", lambda: job, lambda: None))
+    assert b.compiling()
+    t0 = time.monotonic()
+    assert b.wait(timeout=30)  # returns once the limit stopped it, not after 30 s
+    assert time.monotonic() - t0 < 10 and job.killed and not b.compiling()
+    (done,) = b.poll()
+    assert done.error.startswith("its background compile was stopped after")
 
 
-def test_what_the_joint_tier_applies_to():
+def test_what_the_inductor_executor_applies_to():
     class R:
         def __init__(self, tag):
             self.tag = tag
 
     assert trains([R("g0.fw")]) and not trains([R("g0.inf")])
-    w = nn.Parameter(torch.ones(2))
-    assert unmeasurable([w]) is None
-    with torch.no_grad():
-        assert "grad disabled" in unmeasurable([w])
-    assert "no input requires grad" in unmeasurable([torch.ones(2)])
-    w.register_hook(lambda g: g)
-    assert "tensor hook" in unmeasurable([w])
 
 
 def test_the_warm_up_job_keeps_what_aot_autograd_reads():
@@ -158,23 +150,17 @@ def test_the_warm_up_job_keeps_what_aot_autograd_reads():
     assert copy_gm.meta["dynamo_compile_id"] == gm.meta["dynamo_compile_id"]
 
 
-def test_the_step_race_judges_the_joint_candidate_and_training_stays_eager_equal(joint_only):
-    """With the race on, the compiled joint candidate races whole steps against the
-    per-graph executors and eager (E E C C J J ...): every kind of step trains exactly as
-    eager does under the same seeds (dropout, BatchNorm), and once the race decides, both
-    halves say what whole steps measured."""
+def test_the_judge_races_the_inductor_executor_and_training_stays_eager_equal():
+    """The built inductor program races whole steps against the planned programs and
+    eager (E E P P I I ...): every kind of step trains exactly as eager does under the same
+    seeds (dropout, BatchNorm), and the judge decides."""
     torch.manual_seed(0)
     model = BranchyNet()
-    # margin 10: eager never wins here, the race is between the compiled two
-    cmodel, eager, pipe, ran = race_side_by_side(model, torch.randn(8, 16), 100, 10.0)
-    assert [v for v, _ in pipe.race.report().values()] != [None] and not pipe._racing
-    assert "joint" in ran  # joint steps ran and trained like eager
+    cmodel, eager, pipe, ran = race_side_by_side(model, torch.randn(8, 16), 100)
+    assert {"eager", "plan", "inductor"} <= ran
+    assert [v for v, _ in pipe.runtime.judge.report().values()] != [None]
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
-    stages = ("tier", "whole-graph")
-    notes = [p.note for u in autopar.graphs(cmodel) for p in u.provenance
-             if p.stage in stages and p.note.startswith("whole steps")]  # fmt: skip
-    assert len(notes) == 2 and "vs joint" in notes[0], notes
 
 
 def test_a_failed_warm_up_reports_its_last_line():
@@ -188,28 +174,26 @@ def test_a_failed_warm_up_reports_its_last_line():
     assert "FileNotFoundError" in warmup_error(proc)
 
 
-def test_backend_autopar_races_the_joint_tier_over_whole_steps(joint_only):
-    """``torch.compile(backend="autopar")`` marks its steps at the Dynamo graph calls, and the
-    joint candidate races whole steps there as under ``autopar.compile`` (E E C C J J ...):
-    joint steps run, the race decides, and training stays eager's under the same seeds."""
+def test_backend_autopar_races_the_inductor_executor_over_whole_steps():
+    """``torch.compile(backend="autopar")`` marks its steps at the Dynamo graph calls, and
+    the inductor program races whole steps there as under ``autopar.compile``: its steps
+    run, the judge decides, and training stays eager's under the same seeds."""
     torch.manual_seed(0)
     model = BranchyNet()
     eager = copy.deepcopy(model)
     cmodel = torch.compile(model, backend="autopar", dynamic=False,
-                           options={"inductor": True, "background": False,
+                           options={"executors": ("plan", "inductor"), "background": False,
                                     "store": ProfileStore.memory()})  # fmt: skip
     ran = set()
 
     def between(step: int) -> None:
-        pipe = autopar.api._pipeline_of(cmodel, "test")
-        pipe.race.margin = 10.0  # eager never wins: the race is between the compiled two
-        ran.add(pipe.variant)
+        ran.add(autopar.api._pipeline_of(cmodel, "test").variant)
 
-    train_side_by_side(cmodel, eager, torch.randn(8, 16), 100, between)
+    train_side_by_side(cmodel, eager, torch.randn(8, 16), 80, between)
     pipe = autopar.api._pipeline_of(cmodel, "test")
-    (key, (verdict, why)), = pipe.race.report().items()
-    assert key == ("backend", 0) and verdict is not None and "vs joint" in why, why
-    assert "joint" in ran and not pipe._racing
+    (key, (verdict, why)), = pipe.runtime.judge.report().items()
+    assert key == ("backend", 0) and verdict is not None, why
+    assert "inductor" in ran
     for b, c in zip(model.buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
 
@@ -221,7 +205,7 @@ def test_the_joint_halves_run_through_direct_autograd_where_nothing_needs_aot(mo
     gm, args = dynamo_graph(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
                              torch.randn(5, 8))  # fmt: skip
     direct = compile_joint(gm, args, tag="g0")
-    monkeypatch.setenv("AUTOPAR_DIRECT_AUTOGRAD", "0")
+    monkeypatch.setenv("AUTOPAR_BYPASSES", "0")
     aot = compile_joint(gm, args, tag="g0")
     assert direct.autograd == "direct" and aot.autograd.startswith("AOTAutograd (switched off")
     assert "autograd direct" in direct.program("forward").source
@@ -251,18 +235,18 @@ def test_a_joint_graph_that_mutates_a_buffer_keeps_aot_autograd():
     assert compile_joint(gm, args, tag="g0").autograd == "AOTAutograd (the graph mutates an input)"
 
 
-def test_a_model_trained_under_autocast_keeps_its_casts_on_the_joint_executor(always_land):
-    """The joint tier compiles at a later call of the Dynamo graph than its trace; Dynamo
-    guards on the autocast state, so that call runs under the trace's state and the casts
-    are compiled in. Trained under CPU autocast beside eager, the joint executor's outputs
-    stay bfloat16 and its gradients follow eager's; it runs through AOTAutograd's wrapper,
-    which turns autocast off around the compiled halves."""
+def test_a_model_trained_under_autocast_keeps_its_casts_on_the_inductor_executor():
+    """The inductor program is compiled at a later call of the Dynamo graph than its trace;
+    Dynamo guards on the autocast state, so that call runs under the trace's state and the
+    casts are compiled in. Trained under CPU autocast beside eager, its outputs stay
+    bfloat16 and its gradients follow eager's; it runs through AOTAutograd's wrapper, which
+    turns autocast off around the compiled halves."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
     eager = copy.deepcopy(model)
-    cm = autopar.compile(model, inductor=True, background=False, race=False,
+    cm = autopar.compile(model, executors=("inductor",), background=False,
                          store=ProfileStore.memory())  # fmt: skip
-    for step in range(4):  # the first compiles, the second measures and lands joint
+    for step in range(4):  # the first captures, the second builds and runs inductor
         for m in (eager, cm):
             m.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -271,5 +255,5 @@ def test_a_model_trained_under_autocast_keeps_its_casts_on_the_joint_executor(al
             y.float().square().mean().backward()
         for pe, pc in zip(eager.parameters(), cm.parameters(), strict=True):
             torch.testing.assert_close(pc.grad, pe.grad, rtol=1.6e-2, atol=1e-2)
-    assert {u.executor for u in autopar.graphs(cm)} == {"joint"}
-    assert "AOTAutograd (traced under autocast)" in str(autopar.explain(cm))
+    assert {u.executor for u in autopar.graphs(cm)} == {"inductor"}
+    assert "AOTAutograd (traced under autocast)" in autopar.explain(cm)

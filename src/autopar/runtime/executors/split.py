@@ -1,7 +1,8 @@
-"""The batch-split tier: a Dynamo graph run as two half batches at once, each half on its
+"""The ``split`` executor: a Dynamo graph run as two half batches at once, each half on its
 own thread at one intra-op thread, through a program compiled for the half
 (:mod:`autopar.codegen.batch_split`: which graphs qualify, and why it can pay on few
-cores). A contender of the step race like the joint tier: whole training steps decide.
+cores). Offered where the graph provably keeps its rows apart and the profile predicts a
+gain (:func:`why_not`); whole training steps decide (``autopar.runtime.judge``).
 
 How a call runs (:class:`SplitRunner`, one ``autograd.Function``):
 
@@ -17,7 +18,7 @@ How a call runs (:class:`SplitRunner`, one ``autograd.Function``):
   hook on a parameter runs once with the whole gradient, as in eager.
 
 Neither half ever uses more than one thread, and the two together never more than the
-caller's ``torch.get_num_threads()`` (the tier is offered only where that is at least 2).
+caller's ``torch.get_num_threads()`` (the executor is offered only where that is at least 2).
 Not supported (as with any ``autograd.Function`` run once): a second backward through the
 same outputs (``retain_graph=True``) and double backward.
 
@@ -25,11 +26,11 @@ Where it can, the same split runs natively (:class:`NativeSplitRunner`: ``split.
 ``autopar.runtime.native``): one C++ autograd function calls the compiled program's C++
 entry on both halves from a two-thread OpenMP region, with no Python between the halves
 and autograd (measured in ``split.cpp``'s header). It runs the same compiled kernels on
-the same halves, so its results equal the Python runner's bitwise. Where it cannot (no
-native extension built, an output that needs no gradient, a layout the backward does not
-take as it comes; and per call: autocast, compiled autograd, ``torch.func``) the Python
-runner runs; ``autopar.explain`` says which ran and why. ``AUTOPAR_NATIVE_SPLIT=0``
-switches it off.
+the same halves. Where it cannot (no native extension built, a torch release the project
+has not tested (:mod:`autopar.compat`), an output that needs no gradient, a layout the
+backward does not take as it comes; and per call: autocast, compiled autograd,
+``torch.func``, saved-tensor hooks) the Python runner runs; ``autopar.explain`` says which
+ran and why.
 
 Example::
 
@@ -46,6 +47,7 @@ from typing import Any
 
 import torch
 
+from autopar import compat
 from autopar.capture.direct_autograd import DONATED_RETAIN, DirectGraph, aot_only
 from autopar.codegen.batch_split import (
     batched_inputs,
@@ -57,7 +59,6 @@ from autopar.codegen.batch_split import (
 from autopar.codegen.emit import Program
 from autopar.codegen.inductor import input_meta, stand_ins
 from autopar.codegen.joint import JointProgram, roles, with_roles
-from autopar.logs import env_switch
 from autopar.runtime import native
 from autopar.runtime.streams import (
     intra_op_threads,
@@ -131,7 +132,8 @@ class _SplitJoin(torch.autograd.Function):
             raise RuntimeError(
                 "autopar: this batch-split graph's backward already ran; a second backward "
                 "through the same outputs (retain_graph=True) is not supported by the split "
-                "executor. Set AUTOPAR_TIERS without 'split' to train such a loop.")  # fmt: skip
+                "executor: compile with executors=('eager', 'plan', 'inductor') for such a "
+                "loop.")  # fmt: skip
         runner, halves, outs = ctx.state
         ctx.state = None  # the halves' graphs are freed as in eager
         h = runner.half
@@ -189,8 +191,38 @@ def split_parts(gm, args: list, tag: str):
     return warm, build, check
 
 
-#: ``AUTOPAR_NATIVE_SPLIT=0`` keeps every split on the Python runner.
-NATIVE_ENV = "AUTOPAR_NATIVE_SPLIT"
+#: The split must be predicted at most this fraction of the whole batch's time to be built.
+PREDICTED_GAIN = 0.95
+
+
+def why_not(graph, args: list, records: list, profile) -> str | None:
+    """Why the ``split`` executor cannot run (or cannot win on) Dynamo graph ``graph``, None
+    where it may: a CPU training graph, at least two intra-op threads, rows provably apart
+    at full and half batch (``codegen.batch_split``), and a profile (``profile``: the
+    graph's per-operator tables) whose one-thread times at half batch predict a gain:
+    ``sum(time_1t) / 2 < PREDICTED_GAIN * sum(time)``."""
+    if not any(r.tag.endswith(".fw") for r in records):
+        return "an inference graph"
+    if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
+        return "not a CPU graph"
+    *_, check = split_parts(graph.gm, args, graph.tag)
+    why = check()
+    if why is not None:
+        return why
+    tables = [t for t in (profile or ()) if t is not None and "time_1t_s" in t]
+    if tables:
+        whole = sum(float(t["time_s"].sum()) for t in tables)
+        half = sum(float(t["time_1t_s"].fillna(t["time_s"]).sum()) for t in tables) / 2
+        if half >= PREDICTED_GAIN * whole:
+            return (f"the profile predicts no gain (one thread, half batch: {half * 1e3:.2f} "
+                    f"ms vs {whole * 1e3:.2f} ms)")  # fmt: skip
+    return None
+
+
+def parts(graph, args: list, profile=None):
+    """``(warm, build)`` of the split program (see :func:`split_parts`)."""
+    warm, build, _ = split_parts(graph.gm, args, graph.tag)
+    return warm, build
 
 
 class NativeSplitRunner:
@@ -214,8 +246,8 @@ def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int
     """``(split_id, None)`` where the split of ``joint`` can run natively (``split.cpp``), else
     ``(None, why)``."""
     direct = joint.fn
-    if not env_switch(NATIVE_ENV):
-        return None, f"switched off (${NATIVE_ENV})"
+    if not compat.bypasses_on():
+        return None, compat.bypasses_off_reason()
     if not native.available():
         return None, native.cannot_build() or "the native extension is not built yet"
     if not isinstance(direct, DirectGraph):
@@ -273,7 +305,7 @@ def caller_only_state() -> str | None:
 
 class SplitProgram:
     """A compiled half-batch program and the runner that splits every call in two: ``fn``
-    is what the tier swaps in, ``program(phase)`` what ``autopar.explain`` shows."""
+    is what runs the graph, ``program(phase)`` what ``autopar.explain`` shows."""
 
     def __init__(self, joint: JointProgram, picked: list[int], batch: int, n_args: int):
         self.joint, self.picked, self.batch = joint, picked, batch

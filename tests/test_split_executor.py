@@ -1,6 +1,6 @@
-"""The batch-split tier: a Dynamo graph run as two half batches at once on two threads
-(``autopar.codegen.batch_split``: which graphs qualify; ``autopar.runtime.split_tier``: the
-runner and the candidate).
+"""The ``split`` executor: a Dynamo graph run as two half batches at once on two threads
+(``autopar.codegen.batch_split``: which graphs qualify; ``autopar.runtime.executors.split``:
+the runners and the rule that offers it).
 
 The analysis and the runner's autograd are tested on uncompiled graphs (fast, float64 where
 equality matters); the tests that compile with Inductor's C++ wrapper (seconds each) share
@@ -21,11 +21,10 @@ from nets import BranchyNet, compile_and_land, dynamo_graph, race_side_by_side
 from oracle import assert_close_to_oracle, check_training
 
 import autopar
-import autopar.runtime.tiers as tiers
 from autopar.codegen.batch_split import batched_inputs, split_reason
 from autopar.profiling.store import ProfileStore
 from autopar.runtime import native
-from autopar.runtime.split_tier import NativeSplitRunner, SplitRunner, split_parts
+from autopar.runtime.executors.split import NativeSplitRunner, SplitRunner, split_parts
 from autopar.tools import zoo
 
 
@@ -127,25 +126,22 @@ def test_a_second_backward_through_split_outputs_says_what_to_do():
         loss.backward()
 
 
-def test_a_graph_that_may_not_be_split_is_not_offered_and_says_why(monkeypatch):
-    monkeypatch.setenv("AUTOPAR_TIERS", "split")
-    cmodel = autopar.compile(BranchyNet(), inductor=True, background=False,
+def test_a_graph_that_may_not_be_split_is_not_offered_and_says_why():
+    cmodel = autopar.compile(BranchyNet(), executors=("plan", "split"), background=False,
                              store=ProfileStore.memory())  # fmt: skip
-    for _ in range(2):
+    for _ in range(3):
         cmodel(torch.randn(8, 16)).sum().backward()
-    lines = autopar.explain(cmodel).tiers
-    assert any("split not offered: " in line and "in place" in line for line in lines), lines
+    status = autopar.explain(cmodel).rungs["g0"]["split"]
+    assert status.startswith("not offered: ") and "in place" in status, status
     assert {u.executor for u in autopar.graphs(cmodel)} == {"plan"}
 
 
-def test_the_split_executor_trains_like_eager(monkeypatch):
-    """Compiled with the C++ wrapper at one thread per half and landed (margin forced): one
-    training step equals eager by the fp64 oracle, and ``explain`` shows the split."""
-    monkeypatch.setenv("AUTOPAR_TIERS", "split")
-    monkeypatch.setattr(tiers, "JOINT_MARGIN", float("inf"))
+def test_the_split_executor_trains_like_eager():
+    """Compiled with the C++ wrapper at one thread per half: one training step equals eager
+    by the fp64 oracle, and ``explain`` shows the split."""
     compiled = {}
     make = lambda: [torch.randn(4, 3, 6, 6, requires_grad=True)]  # noqa: E731
-    compile_fn = compile_and_land(make, compiled)
+    compile_fn = compile_and_land(make, compiled, "split")
 
     native.load()  # built once per torch version: the split then runs natively
     check_training(ConvBranches(), [torch.randn(4, 3, 6, 6)], compile_fn, opt_name="sgd")
@@ -295,20 +291,20 @@ def test_saved_tensor_hooks_see_every_saved_tensor_of_both_halves(conv_split):
 
 def test_the_native_split_can_be_switched_off_and_says_so(conv_split, monkeypatch):
     program, args, _ = conv_split
-    monkeypatch.setenv("AUTOPAR_NATIVE_SPLIT", "0")
+    monkeypatch.setenv("AUTOPAR_BYPASSES", "0")
     _, build, _ = split_parts(*dynamo_graph(ConvBranches(), _batch(args).detach()), "g0")
     off = build()
-    assert isinstance(off.fn, SplitRunner) and "AUTOPAR_NATIVE_SPLIT" in off.runner
+    assert isinstance(off.fn, SplitRunner) and "AUTOPAR_BYPASSES" in off.runner
     assert f"split runner: {off.runner}" in off.program("forward").notes
 
 
-def test_split_steps_race_and_train_like_eager(monkeypatch):
-    """With the race on, split steps take turns with eager and per-graph compiled steps:
-    every step equals eager's and the generator moves as in eager."""
-    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+def test_split_steps_race_and_train_like_eager():
+    """Split steps take turns with eager and planned steps: every step equals eager's and
+    the generator moves as in eager."""
     torch.manual_seed(0)
     model = ConvBranches()
-    _, eager, _, ran = race_side_by_side(model, torch.randn(4, 3, 6, 6), 40)
+    _, eager, _, ran = race_side_by_side(model, torch.randn(4, 3, 6, 6), 40,
+                                         ("eager", "plan", "split"))  # fmt: skip
     assert "split" in ran
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -389,27 +385,30 @@ def test_a_batch_size_baked_into_the_graph_is_not_split():
     assert reason is not None and "half batch" in reason, reason
 
 
-def test_a_baked_batch_size_trains_like_eager_for_100_raced_steps(monkeypatch):
-    monkeypatch.setenv("AUTOPAR_TIERS", "split")
+def test_a_baked_batch_size_trains_like_eager_for_100_raced_steps():
     torch.manual_seed(0)
     model = BakedBatch()
-    _, eager, pipe, ran = race_side_by_side(model, torch.randn(16, 32), 100, eager_margin=10.0)
-    assert "split" not in ran and any("split not offered" in e for e in pipe.tiers.events)
+    cmodel, eager, _, ran = race_side_by_side(model, torch.randn(16, 32), 100,
+                                              ("eager", "plan", "split"))  # fmt: skip
+    assert "split" not in ran
+    (rungs,) = autopar.explain(cmodel).rungs.values()
+    assert "half batch" in rungs["split"], rungs
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_a_candidate_whose_first_call_is_wrong_leaves_the_race(monkeypatch):
-    """Were the proof wrong, the race still checks a candidate's first call against the
-    current runner's outputs: the split of a graph that baked in its batch size gives
+def test_a_program_whose_first_call_is_wrong_leaves_the_race(monkeypatch):
+    """Were the proof wrong, a built program's first call is still checked against the
+    captured runner's outputs: the split of a graph that baked in its batch size gives
     other shapes, leaves the race, and training goes on equal to eager."""
-    import autopar.runtime.split_tier as split_tier
+    import autopar.runtime.executors.split as split
 
-    monkeypatch.setenv("AUTOPAR_TIERS", "split")
-    monkeypatch.setattr(split_tier, "split_reason", lambda gm, args: None)  # a wrong proof
+    monkeypatch.setattr(split, "split_reason", lambda gm, args: None)  # a wrong proof
+    monkeypatch.setattr(split, "PREDICTED_GAIN", float("inf"))
     torch.manual_seed(0)
     model = BakedBatch()
-    _, eager, pipe, ran = race_side_by_side(model, torch.randn(16, 32), 30, eager_margin=10.0)
-    assert any("split left the race" in e for e in pipe.tiers.events), pipe.tiers.events
+    _, eager, pipe, ran = race_side_by_side(model, torch.randn(16, 32), 30,
+                                            ("eager", "plan", "split"))  # fmt: skip
+    assert any("split left the race" in e for e in pipe.runtime.events), pipe.runtime.events
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

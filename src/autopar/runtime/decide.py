@@ -1,0 +1,248 @@
+"""What runs each step and each graph: the one module that decides.
+
+Per compiled model, :class:`Runtime` walks the ladder (``runtime.executors``) for every
+Dynamo graph, queues the builds that can win, hands each finished contender to the judge
+(``runtime.judge``) and runs the judge's choice. In order, for an input signature:
+
+1. **First step**: the graphs are captured and run on their captured runner (``plan``: each
+   graph profiled, planned and generated at its first call). Each Dynamo graph's verdict is
+   looked up in the decision cache (``runtime.decisions``); a graph remembered with a
+   winner other than ``plan`` is not profiled.
+2. **Second step**: the ladder walk. If every graph of the signature remembers the same
+   winner, that is the verdict, with no race, and only the winner is built (here, at once:
+   Inductor's cache makes it a hit). Otherwise ``eager`` and ``plan`` enter the race, and
+   each executor that builds is asked whether it can run each graph and can win there
+   (``why_not``: its rules, the profile, a verdict it lost before); those that can are
+   queued (``runtime.builds``).
+3. **Later steps**: a contender whose builds have finished for every graph of the signature
+   (those it cannot run keep their captured runner) enters the race; the judge picks each
+   step's contender until its verdict, which is remembered for the next run.
+
+The training thread never sleeps for a build: the background compile runs at idle priority
+(``codegen.warmup``). ``background=False`` builds every contender at the second step.
+
+Example::
+
+    >>> rt = Runtime(("eager", "plan"), background=True, decisions=Decisions(None))
+    >>> rt.step("k", now=0.0)        # the first step of a signature compiles
+    'plan'
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.codegen.inductor import input_meta, stand_ins
+from autopar.codegen.joint import roles, with_roles
+from autopar.runtime.builds import Build, Builds
+from autopar.runtime.decisions import Decisions, graph_key
+from autopar.runtime.executors import TABLE
+from autopar.runtime.judge import Judge
+
+log = logging.getLogger("autopar")
+
+
+@dataclass
+class GraphState:
+    """One Dynamo graph: its signature, its inputs' metadata, and each executor's status."""
+
+    graph: Any  # the capture.DynamoGraph
+    key: object
+    meta: list
+    roles: list
+    decision_key: str
+    remembered: str | None  # the decision cache's winner, if any
+    status: dict[str, str] = field(default_factory=dict)  # executor -> what became of it
+    programs: dict[str, Any] = field(default_factory=dict)  # executor -> built program
+
+    def args(self) -> list:
+        return with_roles(stand_ins(self.meta), self.roles)
+
+
+@dataclass
+class _Signature:
+    graphs: list[GraphState] = field(default_factory=list)
+    walked: bool = False
+    remembered: bool = False  # the verdict came from the decision cache
+    stored: bool = False  # the verdict was written to the decision cache
+
+
+class Runtime:
+    """One compiled model's decisions (module docstring)."""
+
+    def __init__(self, ladder: tuple[str, ...], background: bool, decisions: Decisions,
+                 records_of=lambda group: [], describe=str) -> None:  # fmt: skip
+        self.ladder = ladder
+        self.describe = describe  # an input signature in words
+        self.judge = Judge()
+        self.builds = Builds(background)
+        self.decisions = decisions
+        self.records_of = records_of  # Dynamo graph k -> its recorded aten graphs
+        self.events: list[str] = []  # one line per build and verdict
+        self._graphs: dict[int, GraphState] = {}
+        self._keys: dict[object, _Signature] = {}
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self, key, now: float) -> str:
+        """A step of signature ``key`` starts ``now``: what runs it (an executor's name)."""
+        for b in self.builds.poll():
+            self._finished(b)
+        sig = self._keys.get(key)
+        if sig is None:  # its first step: capture (and the graphs' first calls)
+            self._keys[key] = _Signature()
+            self.judge.dirty(key)
+            return "plan"
+        if not sig.walked and sig.graphs:
+            self._walk(key, sig)
+        verdict = self.judge.verdict(key)
+        alone = self.judge.contenders(key)
+        if verdict is None and len(alone) == 1 and sig.walked and not self.builds.pending(key):
+            verdict = alone[0]  # nothing to race it against, nothing left to build
+            self.judge.settle(key, verdict, f"{verdict}: the only executor that can run it")
+            sig.stored = True
+        if verdict is not None and not (sig.stored or sig.remembered):
+            sig.stored = True
+            medians = self.judge.medians(key)
+            for gs in sig.graphs:
+                self.decisions.put(gs.decision_key, verdict, medians)
+            self._event(f"steps {self.describe(key)}: {self.judge.report()[key][1]}")
+        return self.judge.choose(key, now) or "plan"
+
+    def graph_seen(self, graph, args: list, key) -> None:
+        """The first call of Dynamo graph ``graph`` (in a step of signature ``key``)."""
+        dkey = graph_key(graph.gm, args, self.ladder)
+        remembered = (self.decisions.get(dkey) or {}).get("winner")
+        gs = GraphState(graph, key, input_meta(args), roles(args), dkey, remembered)
+        self._graphs[id(graph)] = gs
+        self._keys.setdefault(key, _Signature()).graphs.append(gs)
+        self.judge.dirty(key)
+
+    def profiles(self, group: int) -> bool:
+        """Whether the recorded graphs of Dynamo graph ``group`` are profiled and planned at
+        their first call: ``plan`` is on the ladder and no verdict other than ``plan`` is
+        remembered for the graph."""
+        gs = next((g for g in self._graphs.values() if g.graph.group == group), None)
+        remembered = gs.remembered if gs is not None else None
+        return "plan" in self.ladder and remembered in (None, "plan")
+
+    def program(self, graph, name: str | None):
+        """What runs ``graph`` in a step of executor ``name``: its built program, else the
+        captured runner (``plan``'s)."""
+        gs = self._graphs.get(id(graph))
+        prog = gs.programs.get(name) if gs is not None and name else None
+        return prog.fn if prog is not None else graph.captured
+
+    def reject(self, graph, name: str, why: str) -> None:
+        """``name``'s program failed its first call on ``graph``: it leaves every race."""
+        gs = self._graphs.get(id(graph))
+        if gs is not None:
+            gs.programs.pop(name, None)
+            gs.status[name] = f"left the race: its first call {why}"
+            self.judge.remove(gs.key, name, why)
+        self._event(f"{graph.tag}: {name} left the race: its first call {why}")
+
+    def settled(self, key=None) -> bool:
+        """Nothing left to build or race (for ``key``, or every signature)."""
+        keys = [key] if key is not None else list(self._keys)
+        return not self.builds.pending(key) and all(
+            k in self._keys and self._keys[k].walked and (
+                self.judge.verdict(k) is not None or len(self.judge.contenders(k)) < 2)
+            for k in keys)  # fmt: skip
+
+    def rungs(self, graph) -> dict[str, str]:
+        """Each executor of the ladder and what became of it for ``graph`` (``explain``)."""
+        gs = self._graphs.get(id(graph))
+        return {n: (gs.status.get(n, "") if gs is not None else "") for n in self.ladder}
+
+    # -- the ladder walk ----------------------------------------------------------------------
+    def _walk(self, key, sig: _Signature) -> None:
+        sig.walked = True
+        wins = {gs.remembered for gs in sig.graphs}
+        if len(wins) == 1 and None not in wins and next(iter(wins)) in self.ladder:
+            won = wins.pop()
+            sig.remembered = True
+            self.judge.settle(key, won, f"{won}: remembered from an earlier run on this "
+                                        "machine (decision cache); no race")  # fmt: skip
+            for gs in sig.graphs:
+                for name in self.ladder:
+                    gs.status[name] = "winner (remembered)" if name == won else "not built: " \
+                        f"{won} won here before"
+            self._queue(key, sig, only=won, now=True)
+            return
+        for name in ("eager", "plan"):
+            if name in self.ladder:
+                self.judge.enter(key, name)
+                for gs in sig.graphs:
+                    gs.status[name] = "racing"
+        self._queue(key, sig)
+
+    def _queue(self, key, sig: _Signature, only: str | None = None, now: bool = False) -> None:
+        for name in self.ladder:
+            ex = TABLE[name]
+            if not ex.builds or (only is not None and name != only):
+                continue
+            for gs in sig.graphs:
+                records = self.records_of(gs.graph.group)
+                profile = [r.table for r in records]
+                args = gs.args()
+                lost = gs.remembered is not None and gs.remembered != name
+                why = (f"lost to {gs.remembered} here before (decision cache)" if lost
+                       else _why_not(ex, gs.graph, args, records, profile))  # fmt: skip
+                if why is not None:
+                    gs.status[name] = f"not offered: {why}"
+                    continue
+                warm, build = ex.parts(gs.graph, args, profile)
+                gs.status[name] = "compiling"
+                b = Build(gs.graph, name, key, None if now else warm, build)
+                self.builds.add(b)
+        for b in self.builds.poll():
+            self._finished(b)
+        self._enter_complete(key, sig)
+
+    def _finished(self, b: Build) -> None:
+        gs = self._graphs.get(id(b.graph))
+        if gs is None:
+            return
+        self.judge.dirty(b.key)  # this step compiled
+        if b.error is not None:
+            gs.status[b.name] = f"failed: {b.error}"
+            self._event(f"{b.graph.tag}: {b.name} could not be built ({b.error})")
+        else:
+            gs.programs[b.name] = b.program
+            gs.status[b.name] = f"built (compiled here in {b.seconds:.1f} s)"
+            self._event(f"{b.graph.tag}: {b.name} built")
+        sig = self._keys.get(b.key)
+        if sig is not None:
+            self._enter_complete(b.key, sig)
+
+    def _enter_complete(self, key, sig: _Signature) -> None:
+        """Each executor whose builds have finished for every graph of ``key`` (one at least
+        built) enters ``key``'s race (or, remembered, runs)."""
+        for name in self.ladder:
+            if not TABLE[name].builds or name in self.judge.contenders(key):
+                continue
+            done = [gs.status.get(name, "").startswith(("built", "not offered", "failed",
+                                                        "left", "not built"))
+                    for gs in sig.graphs]  # fmt: skip
+            built = any(name in gs.programs for gs in sig.graphs)
+            if all(done) and built:
+                if sig.remembered:
+                    self.judge.settle(key, name, self.judge.report()[key][1])
+                else:
+                    self.judge.enter(key, name)
+                for gs in sig.graphs:
+                    if name in gs.programs:
+                        gs.status[name] = gs.status[name] + "; racing"
+
+    def _event(self, line: str) -> None:
+        self.events.append(line)
+        log.info("autopar: %s", line)
+
+
+def _why_not(ex, graph, args, records, profile) -> str | None:
+    try:
+        return ex.why_not(graph, args, records, profile)
+    except Exception as exc:  # noqa: BLE001 - a rule that cannot decide: not offered
+        return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,94 @@
+"""The decision cache: the judge's verdicts, remembered beside the profile store, so that a
+model seen before on this machine starts on its winner with no race.
+
+One JSON file next to the profile store's file (``<store>.decisions.json``: the store's
+name spells the machine, the torch release and the OpenMP library, so a verdict is reused
+only where it was measured). Its entries are keyed by :func:`graph_key`: a hash of the
+Dynamo graph's code, its inputs' metadata and the ladder. Each holds the winner and the
+median step times that made it win, nothing else: the file is data, and an entry that
+names an executor the table does not know is ignored. An in-memory store keeps its
+decisions in memory.
+
+Example::
+
+    >>> d = Decisions(None)
+    >>> d.put("abc", "inductor", {"inductor": 0.002, "plan": 0.003})
+    >>> d.get("abc")["winner"]
+    'inductor'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any
+
+from autopar.profiling.storefiles import store_lock, write_atomically
+
+FORMAT = "autopar-decisions"
+VERSION = 1
+
+
+def graph_key(gm, args: list, ladder: tuple[str, ...]) -> str:
+    """What a verdict depends on besides the machine: the Dynamo graph's code, each input's
+    shape, stride, dtype, device and ``requires_grad``, and the ladder."""
+    import torch
+
+    metas = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), str(a.device), a.requires_grad)
+             if isinstance(a, torch.Tensor) else repr(a) for a in args]  # fmt: skip
+    text = repr((gm.code, metas, ladder))
+    return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
+def _valid(rec: Any, known) -> bool:
+    return (isinstance(rec, dict) and rec.get("winner") in known
+            and isinstance(rec.get("medians"), dict)
+            and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v)
+                    and v >= 0 for k, v in rec["medians"].items()))  # fmt: skip
+
+
+class Decisions:
+    """Verdicts by :func:`graph_key`, read once and written through (locked, atomic)."""
+
+    def __init__(self, store_path: str | None):
+        from autopar.runtime.executors import TABLE
+
+        self._known = set(TABLE)
+        self.path = None if store_path is None else store_path.removesuffix(".json") + (
+            ".decisions.json")
+        self._entries: dict[str, dict] = self._read() if self.path else {}
+
+    def get(self, key: str) -> dict | None:
+        rec = self._entries.get(key)
+        return dict(rec) if rec is not None else None
+
+    def put(self, key: str, winner: str, medians: dict[str, float]) -> None:
+        """Remember ``winner`` for ``key`` (with the medians that made it win) and write."""
+        rec = {"winner": winner, "medians": {k: float(v) for k, v in medians.items()}}
+        if not _valid(rec, self._known):
+            return
+        self._entries[key] = rec
+        if self.path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with store_lock(self.path):
+                merged = {**self._read(), key: rec}
+                write_atomically(self.path, json.dumps(
+                    {"format": FORMAT, "version": VERSION, "decisions": merged}, indent=1))
+            self._entries.update(merged)
+        except OSError:  # a cache: training goes on without it
+            pass
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get(
+                "version") != VERSION or not isinstance(doc.get("decisions"), dict):
+            return {}
+        return {k: v for k, v in doc["decisions"].items() if _valid(v, self._known)}
