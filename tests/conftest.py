@@ -5,8 +5,11 @@ so that only the tests of Inductor pay its 20-40 s cold compiles on a 2-core mac
 
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("AUTOPAR_EXECUTORS", "eager,plan")
 # The native interpreter likewise: off unless a test asks for it (``native=True``), so that
@@ -19,3 +22,13 @@ os.environ.setdefault("AUTOPAR_NATIVE", "0")
 _PROFILE_DIR = tempfile.mkdtemp(prefix="autopar-test-profiles-")
 os.environ["AUTOPAR_PROFILE_DIR"] = _PROFILE_DIR
 atexit.register(shutil.rmtree, _PROFILE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _forget_verdicts():
+    """Each test starts with no remembered verdicts (``runtime.decisions``): the judge's
+    verdicts live beside the session's profile store, and a test that trains a model another
+    test trained would otherwise start on that verdict with no race."""
+    yield
+    for path in pathlib.Path(_PROFILE_DIR).glob("*.decisions.json"):
+        path.unlink(missing_ok=True)

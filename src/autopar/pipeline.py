@@ -146,9 +146,10 @@ class Pipeline:
         self._last_key = key
         self.native_paths.drain(self.monitor.observed)  # the last step's, before it ends
         self.monitor.begin_step(key, lambda: describe_key(key))
-        settled = path == "plan" and self.runtime.settled(key)
+        # plan's steps run the native path while racing too: the judge must time what a
+        # plan verdict would run (other executors' steps never call the captured runner)
         self.native_paths.refresh(self.capture.dynamo_graphs, self.capture.group,
-                                  settled, self.monitor.quiet)  # fmt: skip
+                                  True, self.monitor.quiet)  # fmt: skip
         self._call = t0
         try:
             with self._dynamo_settings():

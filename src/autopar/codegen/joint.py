@@ -68,6 +68,13 @@ class JointProgram:
     #: Which runtime runs the halves: ``"direct"`` (autopar's ``autograd.Function``,
     #: ``capture.direct_autograd``) or ``"AOTAutograd (<why>)"`` (its runtime wrapper).
     autograd: str = "AOTAutograd"
+    #: Why the compiled forward's outputs are not one tensor each (the same value twice: a
+    #: user output also saved for the backward), or None. A caller that owns the outputs'
+    #: memory itself (the native split: it freed such a value twice) needs None.
+    shared_outputs: str | None = None
+    #: Per phase, (inputs, outputs) of the graph Inductor compiled: the compile's own
+    #: metadata, which the native split's C++ calls are sized by.
+    arity: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def program(self, phase: str) -> Program:
         """The ``Program`` that shows this compile's ``phase`` half in ``autopar.explain``
@@ -113,7 +120,14 @@ def compile_joint(
     # AOTAutograd compiles with autocast off, so its state is read here, before.
     traced_autocast = torch._C._is_any_autocast_enabled()
 
+    shared: list[str] = []
+    arity: dict[str, tuple[int, int]] = {}
+
     def inner(graph, inputs, **kwargs):
+        if not kwargs.get("is_backward"):
+            shared.extend(_shared_outputs(graph))
+        arity["backward" if kwargs.get("is_backward") else "forward"] = (
+            len(inputs), len(graph.graph.output_node().args[0]))
         compiled = compile_fx_inner(graph, inputs, **kwargs)
         phase = "backward" if kwargs.get("is_backward") else "forward"
         sources[phase] = getattr(compiled, "source_code", None) or ""
@@ -142,7 +156,21 @@ def compile_joint(
             aot_config.patch(AOT_CONFIG), tracing(context):  # fmt: skip
         fn = compile_fx(gm, fakes, inner_compile=inner)
     fn, autograd = _direct(fn, gm, halves, context.fw_metadata, traced_autocast)
-    return JointProgram(tag, fn, sources, time.perf_counter() - t0, partition, autograd)
+    return JointProgram(tag, fn, sources, time.perf_counter() - t0, partition, autograd,
+                        "; ".join(shared) or None, arity)
+
+
+def _shared_outputs(gm: fx.GraphModule) -> list[str]:
+    """What makes forward graph ``gm``'s outputs share memory: a value returned twice (a
+    user output that is also saved for the backward)."""
+    outs = [o for o in gm.graph.output_node().args[0] if isinstance(o, fx.Node)]
+    seen: set = set()
+    why = []
+    for o in outs:
+        if o in seen and o.op != "placeholder":
+            why.append(f"{o.name} is returned twice")
+        seen.add(o)
+    return why
 
 
 def _direct(fn, gm: fx.GraphModule, halves: dict, meta: Any, autocast: bool):

@@ -102,13 +102,15 @@ class Runtime:
             verdict = alone[0]  # nothing to race it against, nothing left to build
             self.judge.settle(key, verdict, f"{verdict}: the only executor that can run it")
             sig.stored = True
+        who = self.judge.choose(key, now)  # may give the verdict
+        verdict = self.judge.verdict(key)
         if verdict is not None and not (sig.stored or sig.remembered):
             sig.stored = True
             medians = self.judge.medians(key)
             for gs in sig.graphs:
                 self.decisions.put(gs.decision_key, verdict, medians)
             self._event(f"steps {self.describe(key)}: {self.judge.report()[key][1]}")
-        return self.judge.choose(key, now) or "plan"
+        return who or "plan"
 
     def graph_seen(self, graph, args: list, key) -> None:
         """The first call of Dynamo graph ``graph`` (in a step of signature ``key``)."""
@@ -154,7 +156,17 @@ class Runtime:
     def rungs(self, graph) -> dict[str, str]:
         """Each executor of the ladder and what became of it for ``graph`` (``explain``)."""
         gs = self._graphs.get(id(graph))
-        return {n: (gs.status.get(n, "") if gs is not None else "") for n in self.ladder}
+        if gs is None:
+            return dict.fromkeys(self.ladder, "")
+        verdict = self.judge.verdict(gs.key)
+        out = {}
+        for n in self.ladder:
+            status = gs.status.get(n, "")
+            if verdict is not None and status.endswith("racing"):
+                status = status.removesuffix("racing") + ("the verdict" if n == verdict
+                                                          else "lost the race")  # fmt: skip
+            out[n] = status
+        return out
 
     # -- the ladder walk ----------------------------------------------------------------------
     def _walk(self, key, sig: _Signature) -> None:

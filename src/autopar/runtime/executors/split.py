@@ -40,7 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -252,9 +251,12 @@ def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int
         return None, native.cannot_build() or "the native extension is not built yet"
     if not isinstance(direct, DirectGraph):
         return None, f"the halves run through {joint.autograd}"
+    if joint.shared_outputs:  # split.cpp owns each output's memory: one fresh tensor each
+        return None, f"the compiled forward's outputs share memory ({joint.shared_outputs})"
     if not direct.plain or direct.no_grad_outputs:
         return None, "an output needs no gradient, or a gradient layout is not contiguous"
-    fw, bw = _entry(direct.forward), _entry(direct.backward)
+    fw = _entry(direct.forward, joint.arity.get("forward"))
+    bw = _entry(direct.backward, joint.arity.get("backward"))
     if isinstance(fw, str) or isinstance(bw, str):
         return None, fw if isinstance(fw, str) else bw
     saved = fw[2] - direct.num_outputs
@@ -266,21 +268,21 @@ def native_split(joint: JointProgram, picked: list[int], batch: int, n_args: int
     return ext.split_program(fw, bw, mask, batch, list(direct.grad_outputs), donated), None
 
 
-def _entry(compiled: Any) -> tuple[str, int, int] | str:
-    """``(library, inputs, outputs)`` of a C++-wrapper compile's entry (Inductor's compiled
-    graph, torch 2.13: its callable's module binds the library as ``inductor_entry``, and its
-    output code names the counts), or why there is none."""
+def _entry(compiled: Any, arity: tuple[int, int] | None) -> tuple[str, int, int] | str:
+    """``(library, inputs, outputs)`` of a C++-wrapper compile's entry, or why there is none:
+    the library is the one its callable's module binds as ``inductor_entry`` (torch 2.13),
+    the counts those of the graph Inductor compiled (``arity``: the compile's own record),
+    checked against the compiled graph's output strides."""
     call = getattr(compiled, "current_callable", None)
     binding = getattr(call, "__globals__", {}).get("inductor_entry")
     path = getattr(getattr(binding, "__self__", None), "__file__", None)
-    code = getattr(compiled, "source_code", None) or ""
-    n_in = re.findall(r"steal_from_raw_handles_to_raii_handles\(input_handles, (\d+)\)", code)
-    n_out = re.findall(r"num_outputs=(\d+)", code)
-    if path is None or len(n_in) != 1 or len(n_out) != 1:
+    if path is None or arity is None:
         return "a compiled half has no C++-wrapper entry"
+    if len(getattr(compiled, "output_strides", None) or ()) != arity[1]:
+        return "a compiled half returns another number of outputs than its graph"
     if getattr(compiled, "constants", None):
         return "a compiled half takes constants besides its inputs"
-    return path, int(n_in[0]), int(n_out[0])
+    return path, arity[0], arity[1]
 
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
