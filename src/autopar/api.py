@@ -105,9 +105,8 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_autopar_compiled", CachedFrameCall(model, optimized))
         self._autopar_signature = _signature_of(model)
         # One forward call at a time: Dynamo's and AOTAutograd's compiles are not thread-safe
-        # (two threads compiling one model raised their assertions), nor are the race's and
-        # the tiers' books. Backward passes still run concurrently. Re-entrant: a model may
-        # call itself.
+        # (two threads compiling one model raised their assertions), nor are the judge's
+        # books. Backward passes still run concurrently. Re-entrant: a model may call itself.
         self._autopar_lock = threading.RLock()
 
     # -- delegation: the compiled module looks like the user's module --------------------
@@ -252,23 +251,23 @@ def graphs(cmodel: CompiledModule) -> list:
 
 def wait(cmodel: CompiledModule, timeout: float | None = None) -> bool:
     """Block until ``cmodel``'s background work (Inductor compiles, re-plans) is done; each
-    finished tier is measured and, if faster, swapped in at its graph's next call. Returns
-    False if ``timeout`` (seconds) passed first. For benchmarks and tests.
+    finished build is compiled here at the next step and races from then on. Returns False
+    if ``timeout`` (seconds) passed first. For benchmarks and tests.
 
     Example::
 
         cmodel = autopar.compile(model)
         train_step(cmodel)          # starts at once on the planned programs
-        autopar.wait(cmodel)        # the Inductor tier is compiled; it lands next step
+        autopar.wait(cmodel)        # the Inductor build is warm; it races from the next step
     """
     return _pipeline_of(cmodel, "wait").wait(timeout)
 
 
 def explain(cmodel: CompiledModule) -> Explanation:
-    """What the compiler decided, as an :class:`autopar.inspection.Explanation`: per graph
-    the executor, plan, measurements and provenance; the eager/compiled race per input
-    signature; the tiers that landed. ``print()`` shows a summary, then the exact source of
-    every program that runs (call after the first forward and backward).
+    """What the compiler decided, as an :class:`autopar.inspection.Explanation`: per Dynamo
+    graph the executor ladder and what became of each executor; per input signature the
+    judge's verdict and its step times; per recorded graph its executor, plan and
+    provenance. ``print()`` shows a summary; ``ex.source`` the programs that run.
 
     Example::
 

@@ -2,8 +2,8 @@
 
 Every event autopar reports is one line on the ``"autopar"`` logger (submodules log on
 children of it): the stages of each compile (capture, profile, plan, codegen, measure),
-recompiles with their reason, plan-cache misses, drift and re-plans, tiers that land or
-lose, fallbacks. Turn it on with any of::
+recompiles with their reason, plan-cache misses, drift and re-plans, builds and verdicts,
+fallbacks. Turn it on with any of::
 
     AUTOPAR_LOGS=info python train.py          # or 1 / autopar; debug / +autopar for more
     TORCH_LOGS=autopar python train.py         # torch's switch (+autopar: debug)

@@ -180,7 +180,7 @@ class Pipeline:
         if verdict is None or not rt.settled(key) or self._backend:
             return
         for graph in self.capture.dynamo_graphs:
-            gs = rt._graphs.get(id(graph))
+            gs = rt.graph_state(graph)
             if gs is None or gs.key != key or id(graph) in self._fast:
                 continue
             self._fast.add(id(graph))
@@ -315,7 +315,7 @@ class Pipeline:
         if self._call is None and self._backend_graph_call(graph) == "eager":
             return graph.gm(*args)
         rt = self.runtime
-        if id(graph) not in rt._graphs:
+        if rt.graph_state(graph) is None:
             rt.graph_seen(graph, list(args), self.key)
         fn = rt.program(graph, self.variant)
         if fn is graph.captured:
@@ -363,6 +363,19 @@ class Pipeline:
         self._path = self.variant = self.runtime.step(self.key, time.perf_counter())
         return self._path
 
+    def replanned(self, record: GraphRecord, why: str) -> None:
+        """The monitor swapped a re-planned program into ``record`` (sustained drift): the
+        judge races its signature again, through the graph call hook."""
+        key = self.runtime.reopen(record.group, why)
+        if key is None:
+            return
+        for graph in self.capture.dynamo_graphs:
+            gs = self.runtime.graph_state(graph)
+            if gs is not None and gs.key == key and id(graph) in self._fast:
+                self._fast.discard(id(graph))
+                with graph.lock:
+                    graph.runner, graph.on_call = graph.captured, self.on_graph_call
+
     def on_call(self, record: GraphRecord, runner, args):
         """Every call of a recorded graph after its first: the monitor times it."""
         return self.monitor.on_call(record, runner, args)
@@ -371,9 +384,10 @@ class Pipeline:
         """Block until background compiles are done (each is compiled here and races from
         its graph's next step) and background re-plans are ready. True when nothing is left
         pending."""
+        t0 = time.monotonic()
         done = self._runtime is None or self._runtime.builds.wait(timeout)
-        self.monitor.wait(timeout)
-        return done
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        return self.monitor.wait(left) and done
 
     def _provenance(self) -> dict:
         return {"profile_store": str(getattr(self.store, "path", None))}

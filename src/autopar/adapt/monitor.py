@@ -21,8 +21,9 @@ guards on the thread count, so the graph is recaptured and planned (a plan-cache
 a graph keeps running under another count anyway, the monitor re-profiles and re-plans it.
 If a re-plan does not change the prediction (the drift is not in the operators: e.g. another
 process took a core), the baseline is reset instead of re-planning again. While the
-model's own background compile runs (``Tiers.compiling``), calls are recorded but not
-judged, and the baseline is taken afresh after it.
+model's own background compile runs (``Pipeline.compiling``), calls are recorded but not
+judged, and the baseline is taken afresh after it. A re-plan swapped in makes the judge race
+the signature again (``Pipeline.replanned``).
 
 Example::
 
@@ -206,7 +207,7 @@ class Monitor:
             st.pending = None
             if record.runner is None:  # evicted meanwhile: the next call prepares afresh
                 return
-            if record.executor != "plan":  # a faster tier landed meanwhile: it stays
+            if record.executor != "plan":  # another executor's verdict meanwhile: it stays
                 return
             old = record.plan
             record.advance("replan", note=event, table=table, plan=plan, program=program)
@@ -218,6 +219,7 @@ class Monitor:
             st.reset()
             st.event = event
         log.info("autopar: %s: %s", record.tag, event)
+        self.pipeline.replanned(record, f"{record.tag} re-planned ({event})")
 
     # -- every graph call --------------------------------------------------------------
     def prepared(self, record, table):
@@ -242,13 +244,6 @@ class Monitor:
                  seconds, float("nan"), plan.plan_hash, None, st.event, "compile")
             )  # fmt: skip
             st.event = ""
-
-    def rebaseline(self, record) -> None:
-        """``record`` runs something new (a tier landed): measure a fresh baseline."""
-        st = self._states.get(id(record))
-        if st is not None:
-            st.baseline = None
-            st.reset()
 
     def on_call(self, record, runner, args):
         """``capture.OnCall``: time the call (re-profile instead when it drifted)."""
@@ -417,11 +412,13 @@ class Monitor:
             work()
         return out
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background re-plans are done; False if ``timeout`` passed first."""
         with self._lock:
             threads = list(self._threads)
         for t in threads:
             t.join(timeout)
+        return not any(t.is_alive() for t in threads)
 
     def _scaled(self, table):
         if not self.injected or table is None:

@@ -76,7 +76,7 @@ GraphPass = Callable[[fx.GraphModule], int]
 class Provenance:
     """One stage's stamp on a unit: what it did and how long it took."""
 
-    stage: str  # "capture", "profile", "plan", "codegen", "measure", "tier", ...
+    stage: str  # "capture", "profile", "plan", "codegen", "verdict", "replan", ...
     seconds: float = 0.0
     note: str = ""
 
@@ -105,9 +105,6 @@ class GraphUnit:
     program: Any = field(default=None, repr=False)  # what runs: autopar.codegen.emit.Program
     executor: str = "captured"  # the name of what runs it (see autopar.codegen.emitters)
     fallback: str | None = None  # why this graph runs as captured, if it does
-    # The latest measured choice (the first call's streams-vs-serial, a tier's landing):
-    # (candidate, best seconds) pairs, e.g. (("inductor", 0.0021), ("plan", 0.0034)).
-    measured: tuple[tuple[str, float], ...] = ()
     provenance: tuple[Provenance, ...] = ()
 
     def replace(self, stage: str, seconds: float = 0.0, note: str = "", **changes) -> GraphUnit:
@@ -539,8 +536,8 @@ def without_aot_first_call_check():
     AOTAutograd runs a compiled graph's first call under ``_AnalyzeCustomOpInputOutputMode``
     (a Python ``TorchDispatchMode`` that checks custom ops for aliasing), so every operator
     of that call goes through Python: 20-25 us each, measured on the towers model, where a
-    view op takes 1-2 us. The profiler times operators, and ``confirm_by_measurement`` times
-    programs, during exactly that call; they must see the operators' own cost. (The mode is
+    view op takes 1-2 us. The profiler times operators during exactly that call; it must see
+    the operators' own cost. (The mode is
     thread-local, so worker streams never saw it: the serial program alone was penalised.)
     Only that mode, on top of the stack, is suspended; a user's own modes stay. Where this
     torch has no such mode, nothing changes.

@@ -74,8 +74,8 @@ def attach(graph: Any, forward: Callable, backward: Callable, meta: Any, autocas
     """Make a :class:`DirectGraph` the runner of ``graph`` (a ``capture.DynamoGraph`` whose
     halves ``forward`` and ``backward`` are both compiled) where nothing needs AOTAutograd's
     wrapper; ``graph.autograd`` says which runs, and why. ``meta``: AOTAutograd's metadata;
-    ``autocast``: whether the forward was traced under autocast. A tier that replaced
-    ``graph.runner`` already keeps its runner; ``graph.captured`` changes either way."""
+    ``autocast``: whether the forward was traced under autocast. A runner that replaced
+    ``graph.runner`` already stays; ``graph.captured`` changes either way."""
     if isinstance(graph.captured, DirectGraph):
         return  # attached already
     runner, label = direct_runner(graph.gm, meta, forward, backward, graph.captured, autocast)

@@ -1,5 +1,5 @@
 """A Dynamo graph at run time: the callable ``autopar.capture.backend`` hands to Dynamo,
-whose runner a whole-graph tier can replace between two calls.
+whose runner another executor (``autopar.runtime.executors``) can replace between two calls.
 
 Example::
 
@@ -17,15 +17,15 @@ from typing import Any
 import torch.fx as fx
 
 # Optional hook around every call of a Dynamo graph: ``on_graph_call(graph, args) ->
-# outputs``, where ``graph.runner(*args)`` runs it (the pipeline lands whole-graph tiers).
+# outputs``, where ``graph.runner(*args)`` runs it (the pipeline runs the step's executor).
 OnGraphCall = Callable[["DynamoGraph", tuple], Any]
 
 
 class DynamoGraph:
     """One Dynamo graph ``g<k>`` at run time: the callable Dynamo calls. ``runner(*args)``
     runs it: AOTAutograd over autopar's recorded forward and backward graphs
-    (``captured``), until a whole-graph executor replaces both halves at once (a tier:
-    ``autopar.runtime.joint_tier``, ``autopar.runtime.split_tier``), between two calls.
+    (``captured``), or another executor's program that runs both halves at once
+    (``autopar.runtime.executors``), swapped between two calls.
     ``on_call`` (None: call ``runner`` directly) sees every call while something may
     still be swapped in."""
 
@@ -36,11 +36,8 @@ class DynamoGraph:
         self.captured = runner
         self.runner = runner
         self.executor = "per-graph"  # the executors of g<k>.fw and g<k>.bw, each its own
-        # Whole-graph programs racing ``runner`` over whole steps (``runtime.race``), by
-        # tier name: the pipeline's ``on_call`` picks one per step until the race decides.
-        self.candidates: dict[str, Any] = {}
-        self.checked: set[str] = set()  # candidates whose first call gave the right outputs
-        self.out_meta: list | None = None  # the runner's outputs' metadata, while racing
+        self.checked: set[str] = set()  # built programs whose first call gave the right outputs
+        self.out_meta: list | None = None  # the captured runner's outputs' metadata
         self.on_call = on_call
         self.lock = threading.RLock()
         # Around the two halves: "AOTAutograd" (its runtime wrapper, with the reason) until

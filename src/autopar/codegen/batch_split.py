@@ -10,7 +10,7 @@ thread and run on two threads at once, took 13.7-14.7 ms per forward and backwar
 separate processes on half batches, no gradient summed, train it only 1.11-1.15x faster
 than one 2-thread process (``benchmarks/concurrency_ceiling.py``, 2026-12-02), less than
 the split's gradient sum and handoffs cost. Whole training steps decide
-(``autopar.runtime.split_tier``).
+(``autopar.runtime.executors.split``).
 
 A graph qualifies when every row of its outputs depends only on the same row of its batched
 inputs (its non-module tensor inputs, split along dim 0): then running the halves and

@@ -1,6 +1,6 @@
 """The shared program builder: readable names, the schedule of a plan (waits reduced with
 the planner's vector clocks), statements with early ``del``, and the provenance header. The
-emitters (``python``, ``cuda``, ``torchscript``) build on it.
+emitters (``python``, ``cuda``, ``native``) build on it.
 
 The graph analysis it schedules by (in-place writes, views, RNG) is
 ``autopar.capture.analysis``, shared with the profiler and the pipeline; its names are

@@ -1,15 +1,15 @@
 """The joint executor: a whole Dynamo graph, forward and backward together, compiled by
 Inductor's own pipeline (``compile_fx``), exactly as ``torch.compile`` compiles it.
 
-autopar's other Inductor tier (:mod:`autopar.codegen.inductor`) compiles the forward and
-backward graphs that autopar captured: AOTAutograd partitioned them *before* Inductor's
+:mod:`autopar.codegen.inductor` compiles the forward and backward graphs that autopar
+captured: AOTAutograd partitioned them *before* Inductor's
 decompositions, with its default partitioner. ``torch.compile`` instead decomposes the joint
 graph first and partitions it with the min-cut partitioner, which recomputes cheap ops in
 the backward instead of saving them. On HF BERT (tiny, 2 cores, 2026-11-30) that backward
 ran 3% faster (6.44 vs 6.64 ms a step). Neither pipeline wins everywhere (autopar's
-partition was 4-7% ahead on the Inception and towers models), so this is one more
-candidate, swapped per Dynamo graph, forward and backward together, when whole training
-steps measure it faster (``autopar.runtime.race``; ``autopar.runtime.joint_tier``).
+partition was 4-7% ahead on the Inception and towers models). This one is the
+``inductor`` executor (``autopar.runtime.executors.inductor``): it is what ``torch.compile``
+runs, forward and backward together, raced by whole training steps (``runtime.judge``).
 
 The compile patches three settings, and only for its own duration:
 
@@ -21,7 +21,7 @@ The compile patches three settings, and only for its own duration:
   reach); and ``enable_autograd_cache`` off, so that Inductor's output code (what
   ``autopar.explain`` shows) is produced even when the compile is a cache hit.
 
-As for the other Inductor tiers, the cold compile runs in a background process
+The cold compile runs in a background process
 (:func:`start_joint_warmup`: a job for the warm-up worker, ``codegen.warmup``) that fills
 Inductor's FX graph cache; the training process then compiles at a step boundary and hits
 it.

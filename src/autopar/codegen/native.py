@@ -16,8 +16,8 @@ What it runs. Every compute node must be an ``OpOverload`` call or an ``operator
 of one; placeholders and ``get_attr`` values are the inputs; the outputs are nodes or
 ``None``. Constants are converted once, at build time, with the schema argument's type.
 Anything else (``call_module``, a Python callable, a symbolic size, a constant output)
-raises :class:`Unsupported` with the reason; the tier that offers this executor then does
-not offer it for that graph. A plan with several streams must give each one intra-op
+raises :class:`Unsupported` with the reason; the graph then gets the Python program, with
+the reason in its notes. A plan with several streams must give each one intra-op
 thread (an op inside an OpenMP parallel region runs single-threaded); a one-stream plan
 runs on the calling thread outside any region, with the caller's intra-op threads.
 

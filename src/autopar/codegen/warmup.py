@@ -1,6 +1,7 @@
-"""The background compiles: one worker process per training process compiles the tiers'
-candidates, one job after another, so that Inductor's on-disk FX graph cache holds them
-when the training process compiles them itself (a cache hit) at a step boundary.
+"""The background compiles: one worker process per training process compiles the executors'
+builds (``runtime.builds``), one job after another, so that Inductor's on-disk FX graph
+cache holds them when the training process compiles them itself (a cache hit) at a step
+boundary.
 
 Why one worker rather than a process per candidate: a fresh process spends about 3.8 s of
 CPU importing torch, autopar and Inductor before it compiles anything (2026-12-02, 2-core
@@ -132,7 +133,7 @@ def load_warmup_job(path: str, parent: int | None = None) -> dict:
 # -- the parent's side ----------------------------------------------------------------------
 class WarmupJob:
     """One queued or running warm-up, with the part of ``subprocess.Popen``'s interface the
-    tiers use: ``poll()``, ``wait(timeout)``, ``kill()``, ``returncode``."""
+    builds use: ``poll()``, ``wait(timeout)``, ``kill()``, ``returncode``."""
 
     def __init__(self, module: str, path: str, env: dict[str, str]):
         self.id = next(_IDS)

@@ -7,8 +7,7 @@ cache; once its warm-up has finished, the training process compiles the same gra
 step boundary (a cache hit: tenths of a second to a few seconds) and the program races
 (``runtime.judge``). With ``background=False`` a build compiles here at once.
 
-The training thread never sleeps here: the worker gets the CPU the training leaves idle,
-and the time the deciding module (``runtime.decide``) chooses to give it.
+The training thread never sleeps here: the worker gets the CPU the training leaves idle.
 
 Example::
 

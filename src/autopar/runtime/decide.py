@@ -16,7 +16,8 @@ Dynamo graph, queues the builds that can win, hands each finished contender to t
    queued (``runtime.builds``).
 3. **Later steps**: a contender whose builds have finished for every graph of the signature
    (those it cannot run keep their captured runner) enters the race; the judge picks each
-   step's contender until its verdict, which is remembered for the next run.
+   step's contender until its verdict. A verdict given with nothing left to build is
+   remembered for the next run; a re-plan on drift (``adapt.monitor``) races again.
 
 The training thread never sleeps for a build: the background compile runs at idle priority
 (``codegen.warmup``). ``background=False`` builds every contender at the second step.
@@ -66,7 +67,7 @@ class _Signature:
     graphs: list[GraphState] = field(default_factory=list)
     walked: bool = False
     remembered: bool = False  # the verdict came from the decision cache
-    stored: bool = False  # the verdict was written to the decision cache
+    said: str | None = None  # the verdict last told (and, when final, remembered)
 
 
 class Runtime:
@@ -101,16 +102,28 @@ class Runtime:
         if verdict is None and len(alone) == 1 and sig.walked and not self.builds.pending(key):
             verdict = alone[0]  # nothing to race it against, nothing left to build
             self.judge.settle(key, verdict, f"{verdict}: the only executor that can run it")
-            sig.stored = True
+            sig.said = verdict  # said, not measured: nothing to remember
         who = self.judge.choose(key, now)  # may give the verdict
         verdict = self.judge.verdict(key)
-        if verdict is not None and not (sig.stored or sig.remembered):
-            sig.stored = True
-            medians = self.judge.medians(key)
-            for gs in sig.graphs:
-                self.decisions.put(gs.decision_key, verdict, medians)
+        if verdict is not None and verdict != sig.said and not sig.remembered:
+            sig.said = verdict
             self._event(f"steps {self.describe(key)}: {self.judge.report()[key][1]}")
+            if not self.builds.pending(key):  # final: every contender raced
+                medians = self.judge.medians(key)
+                for gs in sig.graphs:
+                    self.decisions.put(gs.decision_key, verdict, medians)
         return who or "plan"
+
+    def reopen(self, group: int, why: str):
+        """Dynamo graph ``group``'s program changed under its verdict (the monitor re-planned
+        it on sustained drift): its signature races again. Returns that signature, or None."""
+        gs = next((g for g in self._graphs.values() if g.graph.group == group), None)
+        if gs is None or self.judge.verdict(gs.key) is None:
+            return None
+        self.judge.reopen(gs.key, why)
+        self._keys[gs.key].said = None
+        self._event(f"steps {self.describe(gs.key)}: racing again: {why}")
+        return gs.key
 
     def graph_seen(self, graph, args: list, key) -> None:
         """The first call of Dynamo graph ``graph`` (in a step of signature ``key``)."""
@@ -120,6 +133,10 @@ class Runtime:
         self._graphs[id(graph)] = gs
         self._keys.setdefault(key, _Signature()).graphs.append(gs)
         self.judge.dirty(key)
+
+    def graph_state(self, graph) -> GraphState | None:
+        """What the runtime knows of Dynamo graph ``graph`` (None: not called yet)."""
+        return self._graphs.get(id(graph))
 
     def profiles(self, group: int) -> bool:
         """Whether the recorded graphs of Dynamo graph ``group`` are profiled and planned at
@@ -206,7 +223,8 @@ class Runtime:
                     gs.status[name] = f"not offered: {why}"
                     continue
                 warm, build = ex.parts(gs.graph, args, profile)
-                gs.status[name] = "compiling"
+                cold = ex.cost_s * len(gs.graph.gm.graph.nodes)
+                gs.status[name] = f"compiling (cold: about {cold:.0f} s of a core)"
                 b = Build(gs.graph, name, key, None if now else warm, build)
                 self.builds.add(b)
         for b in self.builds.poll():

@@ -158,16 +158,16 @@ class Judge:
                 race.dirty = True
 
     # -- the steps ------------------------------------------------------------------------
-    def choose(self, key, now: float, paused: float = 0.0) -> str | None:
-        """Close the open step of ``key`` (its time, less ``paused`` seconds spent waiting on
-        purpose) and pick who runs the step that starts ``now``: the verdict, or the
-        contender whose turn it is; None while nothing can run it."""
+    def choose(self, key, now: float) -> str | None:
+        """Close the open step of ``key`` (counting its time) and pick who runs the step that
+        starts ``now``: the verdict, or the contender whose turn it is; None while nothing
+        can run it."""
         with self._lock:
             race = self._race(key)
             if race.last is not None and not race.dirty and race.verdict is None:
                 who, t0, counts = race.last
                 if counts and who in race.times:
-                    race.times[who].append(now - t0 - paused)
+                    race.times[who].append(now - t0)
                     self._decide(race)
             if race.verdict is not None:
                 who, counts = race.verdict, False

@@ -18,8 +18,8 @@ native programs (their records' runners are ``codegen.emit.Boxed`` native progra
 inputs are exactly the graph's: no constants appended) over tensor inputs and outputs; and
 the caller's state needs none of the Python calls: the signature's verdict is ``plan`` with no
 judge's turn left, nothing for the monitor to do at the next call (no re-profile due). Otherwise
-the Python function runs, as before; a swapped program (a tier, a re-plan, the race putting
-a kept program back) changes a record's runner, which ends the path at the next boundary.
+the Python function runs, as before; a swapped program (a re-plan) changes a record's
+runner, which ends the path at the next boundary.
 
 What the Python calls did is kept: the programs time themselves (``Program.take_seconds``)
 and :meth:`NativePaths.drain` hands those times to the monitor at the next step boundary
@@ -89,7 +89,7 @@ class NativePaths:
     def refresh(self, graphs: list, records_of: Callable[[int], list], settled: bool,
                 quiet: Callable[[Any], bool]) -> None:  # fmt: skip
         """A step boundary: give each graph its path where it can have one and nothing needs
-        its Python calls (``settled``: no tier to land, no kept program's race turn;
+        its Python calls (``settled``: the caller says nothing else runs the records;
         ``quiet(record)``: the monitor has nothing to do at its next call); take it away
         elsewhere."""
         for graph in graphs:
@@ -127,8 +127,8 @@ class NativePaths:
 
 def why_not(direct: DirectGraph, fw: Any, bw: Any) -> str | None:
     """Why this graph cannot run the native direct path now (None: it can). Reasons that
-    hold for the graph's life start with ``graph:``; the others may change (a tier lands a
-    native program, a re-plan swaps one in)."""
+    hold for the graph's life start with ``graph:``; the others may change (a re-plan swaps a
+    native program in)."""
     if not direct.plain:
         return "graph: a gradient is expected in another layout than contiguous"
     if direct.no_grad_outputs:  # compiled autograd refuses C++ functions that mark one

@@ -148,6 +148,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "example_inputs), e.g. my_model.py:make; ends with whether autopar is worth it on it",
     )  # fmt: skip
     parser.add_argument(
+        "--first-minute",
+        action="store_true",
+        help="time to train instead: steps each contender does in its first --seconds from "
+        "the first call, one fresh process each, with a cold and then a warm Inductor cache "
+        "and profile store (autopar.tools.first_minute)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=60.0,
+        help="the window of --first-minute (default 60)",
+    )  # fmt: skip
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"a smoke run: models {','.join(QUICK['models'])} unless --models, "
@@ -235,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-tier",
         action="store_true",
         help="autopar without its Inductor executors (inductor=False); torch.compile still runs. "
-        "Default: autopar.compile's default ($AUTOPAR_INDUCTOR, on unless set to 0)",
+        "Default: autopar.compile's default ladder",
     )
     parser.add_argument(
         "--no-background",
@@ -295,7 +306,7 @@ def resolve_args(args) -> argparse.Namespace:
     if args.warmup < 0 or args.settle_steps < 0 or args.settle_s < 0:
         raise SystemExit("autopar bench: --warmup, --settle-steps and --settle-s must be >= 0")
     optional = {"no_tier": False, "no_background": False, "no_race": False, "no_adapt": False,
-                "backend": False,
+                "backend": False, "first_minute": False, "seconds": 60.0,
                 "warm_cache": False, "wait_timeout": 900.0, "wait_quiet": 0.0,
                 "retries": 0}  # fmt: skip
     for name, default in optional.items():
@@ -538,6 +549,19 @@ def run_model(name: str, args, default_threads: int) -> dict[str, Any]:
 def main(args) -> int:
     """Run the benchmark described by ``args`` (from ``add_arguments``); 0 on success."""
     args = resolve_args(args)
+    if args.first_minute:
+        from autopar.tools.first_minute import first_minute, format_first_minute
+
+        print(f"autopar bench --first-minute: {', '.join(args.models)}, {args.seconds:.0f} s "
+              "windows, cold then warm caches, one fresh process per run", flush=True)  # fmt: skip
+        results = first_minute(args.models, args.seconds, args.seed,
+                               echo=lambda line: print(line, flush=True))  # fmt: skip
+        print(format_first_minute(results), flush=True)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"first_minute": results}, f, indent=1)
+        return 0
     default_threads = torch.get_num_threads()
     names = ", ".join([*(c for c in CONTENDERS if not (c == "torch.compile" and args.no_inductor)),
                        *([BACKEND] if args.backend else [])])  # fmt: skip

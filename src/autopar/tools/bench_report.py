@@ -223,7 +223,7 @@ def _seconds(s: float) -> str:
 
 
 def format_summary(results: list[dict[str, Any]]) -> str:
-    """One line per model: medians, ratios, first steps, tiers, executors and race."""
+    """One line per model: medians, ratios, first steps, settle time, executors, verdict."""
     lines = [
         "== summary: median training step; ratios are eager's (or the faster of eager and "
         "torch.compile's) median / the contender's (>1 is faster)",

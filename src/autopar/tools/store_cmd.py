@@ -189,7 +189,8 @@ def _show(args) -> int:
     else:
         try:
             files = [
-                os.path.join(where, n) for n in sorted(os.listdir(where)) if n.endswith(".json")
+                os.path.join(where, n) for n in sorted(os.listdir(where))
+                if n.endswith(".json") and not n.endswith(".decisions.json")  # verdicts
             ]
         except OSError:
             files = []

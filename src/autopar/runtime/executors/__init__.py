@@ -43,8 +43,8 @@ class Executor:
     """One rung. ``why_not(graph, args, records, profile)``: why it cannot run (or cannot
     win on) a Dynamo graph, None where it may; ``parts(graph, args, profile)``: ``(warm,
     build)``, the background compile and the compile here, whose program's ``fn(*args)``
-    runs the graph (differentiable). ``cost_s``: a rough cold build time per graph node,
-    for ``explain``."""
+    runs the graph (differentiable). ``cost_s``: its build cost, a rough cold compile time
+    per graph node on a 2-core CPU (``explain`` shows it while it compiles)."""
 
     name: str
     summary: str

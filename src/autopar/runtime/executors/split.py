@@ -131,8 +131,7 @@ class _SplitJoin(torch.autograd.Function):
             raise RuntimeError(
                 "autopar: this batch-split graph's backward already ran; a second backward "
                 "through the same outputs (retain_graph=True) is not supported by the split "
-                "executor: compile with executors=('eager', 'plan', 'inductor') for such a "
-                "loop.")  # fmt: skip
+                "executor: compile with executors=('eager', 'plan') for such a loop.")  # fmt: skip
         runner, halves, outs = ctx.state
         ctx.state = None  # the halves' graphs are freed as in eager
         h = runner.half

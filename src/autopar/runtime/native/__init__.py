@@ -7,11 +7,11 @@ cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) under a name that hashes the source, the compiler flags and
 the torch version, so an edited source or another torch never loads a stale build.
 :func:`load` imports a finished build directly (milliseconds); :func:`available` says
-whether one exists without building; the pipeline's tiers build it in the warm-up worker
-process, off the training's first steps (``autopar.runtime.tiers``). Where no build exists
-and none can run (no C++ compiler: :func:`cannot_build`), the interpreter is off: the log
-says so once (a warning), :func:`load` raises with that reason, and planned programs run
-in Python.
+whether one exists without building; ``make setup`` builds it, and otherwise it is built
+in the warm-up worker, off the training's steps (``autopar.runtime.native_build``). Where no
+build exists and none can run (no C++ compiler: :func:`cannot_build`), the interpreter is
+off: the log says so once (a warning), :func:`load` raises with that reason, and planned
+programs run in Python.
 
 Example::
 
