@@ -19,8 +19,12 @@ Dynamo graph, queues the builds that can win, hands each finished contender to t
    step's contender until its verdict. A verdict given with nothing left to build is
    remembered for the next run; a re-plan on drift (``adapt.monitor``) races again.
 
-The training thread never sleeps for a build: the background compile runs at idle priority
-(``codegen.warmup``). ``background=False`` builds every contender at the second step.
+A build compiles in the background at idle priority (``codegen.warmup``); a graph whose
+executor was compiled here before (the decision cache says so) compiles it at once, a hit
+in Inductor's cache. The training thread never sleeps for a build: lending a busy 2-core
+box's time to a cold compile made every step slower for longer than the first minute, and
+the compile still did not finish in it. ``background=False`` builds every contender at the
+second step.
 
 Example::
 
@@ -55,6 +59,7 @@ class GraphState:
     roles: list
     decision_key: str
     remembered: str | None  # the decision cache's winner, if any
+    warm: frozenset = frozenset()  # executors compiled for it here before: cache hits now
     status: dict[str, str] = field(default_factory=dict)  # executor -> what became of it
     programs: dict[str, Any] = field(default_factory=dict)  # executor -> built program
 
@@ -128,8 +133,9 @@ class Runtime:
     def graph_seen(self, graph, args: list, key) -> None:
         """The first call of Dynamo graph ``graph`` (in a step of signature ``key``)."""
         dkey = graph_key(graph.gm, args, self.ladder)
-        remembered = (self.decisions.get(dkey) or {}).get("winner")
-        gs = GraphState(graph, key, input_meta(args), roles(args), dkey, remembered)
+        rec = self.decisions.get(dkey) or {}
+        gs = GraphState(graph, key, input_meta(args), roles(args), dkey, rec.get("winner"),
+                        frozenset(rec.get("built", ())))  # fmt: skip
         self._graphs[id(graph)] = gs
         self._keys.setdefault(key, _Signature()).graphs.append(gs)
         self.judge.dirty(key)
@@ -224,8 +230,10 @@ class Runtime:
                     continue
                 warm, build = ex.parts(gs.graph, args, profile)
                 cold = ex.cost_s * len(gs.graph.gm.graph.nodes)
-                gs.status[name] = f"compiling (cold: about {cold:.0f} s of a core)"
-                b = Build(gs.graph, name, key, None if now else warm, build)
+                here = now or name in gs.warm  # compiled here before: a cache hit, at once
+                gs.status[name] = ("compiling here (Inductor's cache holds it)" if here else
+                                   f"compiling (cold: about {cold:.0f} s of a core)")  # fmt: skip
+                b = Build(gs.graph, name, key, None if here else warm, build)
                 self.builds.add(b)
         for b in self.builds.poll():
             self._finished(b)
@@ -243,6 +251,7 @@ class Runtime:
             gs.programs[b.name] = b.program
             gs.status[b.name] = f"built (compiled here in {b.seconds:.1f} s)"
             self._event(f"{b.graph.tag}: {b.name} built")
+            self.decisions.put(gs.decision_key, built=(b.name,))
         sig = self._keys.get(b.key)
         if sig is not None:
             self._enter_complete(b.key, sig)

@@ -5,8 +5,10 @@ One JSON file next to the profile store's file (``<store>.decisions.json``: the 
 name spells the machine, the torch release and the OpenMP library, so a verdict is reused
 only where it was measured). Its entries are keyed by :func:`graph_key`: a hash of the
 Dynamo graph's code, its inputs' metadata and the ladder. Each holds the winner and the
-median step times that made it win, nothing else: the file is data, and an entry that
-names an executor the table does not know is ignored. An in-memory store keeps its
+median step times that made it win, and the executors compiled for the graph here (their
+compile is a hit in Inductor's cache now, so a later run compiles them at once instead of in
+the background); nothing else: the file is data, and an entry that names an executor the
+table does not know is ignored. An in-memory store keeps its
 decisions in memory.
 
 Example::
@@ -43,10 +45,12 @@ def graph_key(gm, args: list, ladder: tuple[str, ...]) -> str:
 
 
 def _valid(rec: Any, known) -> bool:
-    return (isinstance(rec, dict) and rec.get("winner") in known
-            and isinstance(rec.get("medians"), dict)
+    return (isinstance(rec, dict) and (rec.get("winner") is None or rec.get("winner") in known)
+            and isinstance(rec.get("medians", {}), dict)
             and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v)
-                    and v >= 0 for k, v in rec["medians"].items()))  # fmt: skip
+                    and v >= 0 for k, v in rec.get("medians", {}).items())
+            and isinstance(rec.get("built", []), list)
+            and all(b in known for b in rec.get("built", [])))  # fmt: skip
 
 
 class Decisions:
@@ -64,9 +68,17 @@ class Decisions:
         rec = self._entries.get(key)
         return dict(rec) if rec is not None else None
 
-    def put(self, key: str, winner: str, medians: dict[str, float]) -> None:
-        """Remember ``winner`` for ``key`` (with the medians that made it win) and write."""
-        rec = {"winner": winner, "medians": {k: float(v) for k, v in medians.items()}}
+    def put(self, key: str, winner: str | None = None, medians: dict[str, float] | None = None,
+            built: tuple[str, ...] = ()) -> None:
+        """Remember ``winner`` for ``key`` (with the medians that made it win), or that the
+        executors ``built`` were compiled for it here (Inductor's cache holds them now), and
+        write."""
+        rec = dict(self._entries.get(key) or {})
+        if winner is not None:
+            rec["winner"] = winner
+            rec["medians"] = {k: float(v) for k, v in (medians or {}).items()}
+        if built:
+            rec["built"] = sorted({*rec.get("built", []), *built})
         if not _valid(rec, self._known):
             return
         self._entries[key] = rec

@@ -554,7 +554,8 @@ def main(args) -> int:
 
         print(f"autopar bench --first-minute: {', '.join(args.models)}, {args.seconds:.0f} s "
               "windows, cold then warm caches, one fresh process per run", flush=True)  # fmt: skip
-        results = first_minute(args.models, args.seconds, args.seed,
+        models = [args.model] if getattr(args, "model", None) else args.models  # as given
+        results = first_minute(models, args.seconds, args.seed,
                                echo=lambda line: print(line, flush=True))  # fmt: skip
         print(format_first_minute(results), flush=True)
         if args.out:

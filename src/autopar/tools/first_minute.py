@@ -7,7 +7,9 @@ again: the steady state alone hides the compile and the choosing. Each model run
 contender (eager, ``torch.compile``, autopar), two fresh processes one after the other:
 
 * **cold**: a fresh, empty Inductor cache and profile store (and so no remembered verdict);
-* **warm**: the same caches again, as the cold run left them: a second run on this machine.
+* **warm**: the same caches again, after one untimed run that settled (for autopar:
+  ``autopar.wait`` for its builds, then steps until its judge decided; ``torch.compile``
+  compiled in its cold run): a model trained on this machine before.
 
 A process builds the model under the bench's seed, trains in a plain loop (the bench's
 loss, SGD) until ``--seconds`` have passed since the first call began, and reports its step
@@ -37,9 +39,11 @@ CONTENDERS = ("eager", "torch.compile", "autopar")
 WINDOW_S = 10.0
 
 
-def run_child(model: str, contender: str, seconds: float, seed: int) -> dict[str, Any]:
+def run_child(model: str, contender: str, seconds: float, seed: int,
+              fill: bool = False) -> dict[str, Any]:  # fmt: skip
     """The measurement, in this (fresh) process: train ``model`` (a bench name or
-    ``MODULE:FACTORY``) with ``contender`` for ``seconds`` from the first call."""
+    ``MODULE:FACTORY``) with ``contender`` for ``seconds`` from the first call. ``fill``:
+    untimed, until autopar has settled (its builds waited for), to fill the caches."""
     import torch
 
     from autopar.tools.bench_models import BENCH_MODELS, make_loss, user_model
@@ -64,12 +68,16 @@ def run_child(model: str, contender: str, seconds: float, seed: int) -> dict[str
     t0 = time.perf_counter()
     while True:
         t = time.perf_counter()
-        if t - t0 >= seconds:
+        if t - t0 >= seconds or (fill and settled_s is not None):
             break
         opt.zero_grad(set_to_none=True)
         loss_fn(module(*inputs)).backward()
         opt.step()
         times.append(time.perf_counter() - t)
+        if fill and pipeline is not None and len(times) == 2:
+            import autopar
+
+            autopar.wait(module, timeout=seconds)
         if pipeline is not None and settled_s is None and len(times) > 1 \
                 and pipeline.runtime.settled():  # fmt: skip
             settled_s = time.perf_counter() - t0
@@ -84,15 +92,21 @@ def run_child(model: str, contender: str, seconds: float, seed: int) -> dict[str
     out = {"steps": len(times), "first_step_s": times[0] if times else None,
            "windows": windows, "settled_s": settled_s}  # fmt: skip
     if pipeline is not None:
+        import autopar
+
+        ex = autopar.explain(module)
         out["verdicts"] = [v for v, _ in pipeline.runtime.judge.report().values()]
+        out["ladder"] = ex.rungs
+        out["events"] = list(ex.events)
     return out
 
 
-def _child(model: str, contender: str, seconds: float, seed: int, dirs: dict) -> dict:
+def _child(model: str, contender: str, seconds: float, seed: int, dirs: dict,
+           fill: bool = False) -> dict:  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": dirs["inductor"],
            "AUTOPAR_PROFILE_DIR": dirs["profiles"]}  # fmt: skip
     cmd = [sys.executable, "-m", "autopar.tools.first_minute", model, contender, str(seconds),
-           str(seed)]  # fmt: skip
+           str(seed), "fill" if fill else "timed"]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True,
                          timeout=seconds + 600)  # fmt: skip
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
@@ -115,6 +129,8 @@ def first_minute(models: list[str], seconds: float = 60.0, seed: int = 0,
         try:
             for phase, order in (("cold", CONTENDERS), ("warm", CONTENDERS[::-1])):
                 for c in order:
+                    if phase == "warm" and c == "autopar":  # a run that settled, untimed
+                        _child(model, c, 600.0, seed, dirs[c], fill=True)
                     run = _child(model, c, seconds, seed, dirs[c])
                     res[phase][c] = run
                     echo(f"   {model} {phase:<4} {c:<13} " + (
@@ -156,4 +172,5 @@ def format_first_minute(results: list[dict[str, Any]]) -> str:
 
 if __name__ == "__main__":
     name, who, secs, seed_ = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-    print(json.dumps(run_child(name, who, secs, seed_)), flush=True)
+    fill_ = len(sys.argv) > 5 and sys.argv[5] == "fill"
+    print(json.dumps(run_child(name, who, secs, seed_, fill_)), flush=True)
