@@ -1,10 +1,11 @@
 """The CUDA path end to end, in one script for a lent GPU machine.
 
-For each zoo model on ``cuda:0``: autopar (1 and 2 CUDA streams) must train like eager
-(outputs, every gradient, one SGD step; judged against a float64 reference by the rule of
-tests/oracle.py), then the training step of eager, ``torch.compile`` (Inductor) and autopar
-is timed interleaved (CUDA-synchronised medians) and the ratios are printed, with
-autopar's predicted against measured time. Last, LSTMs against cuDNN's ``nn.LSTM`` at batch
+For each zoo model on ``cuda:0``: autopar's program on 1 and 2 CUDA streams (forced by
+public options, ``gpu_validate.TWO_STREAMS``) must train like eager over two steps
+(outputs, every gradient, SGD steps; judged against a float64 reference on the CPU by the
+rule of tests/oracle.py), then the training step of eager, ``torch.compile`` (Inductor)
+and autopar is timed interleaved (CUDA-synchronised medians) and the ratios are printed,
+with autopar's predicted against measured time. Last, LSTMs against cuDNN's ``nn.LSTM`` at batch
 1, 16 and 64 (autopar's default on CUDA is cuDNN; its forced unrolled form is shown too).
 ``benchmarks/gpu_validate.py`` is the budgeted PASS/FAIL validation of the same path.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 
 import torch
@@ -26,11 +28,15 @@ FACTOR, ATOL = 2.0, 1e-6
 
 
 def _err(a, ref):
-    return (a.detach().double() - ref.detach().double()).abs().max().item()
+    return (a.detach().double().cpu() - ref.detach().double().cpu()).abs().max().item()
 
 
 def check_equivalence(name: str, streams: int) -> str:
-    """'ok' or the first tensor that breaks the fp64-oracle rule."""
+    """'ok' or the first tensor that breaks the fp64-oracle rule, over two training steps:
+    the first profiles and plans (the profiler's run is exact), the second runs autopar's
+    program on ``streams`` CUDA streams (forced by public options, as gpu_validate.py)."""
+    from gpu_validate import TWO_STREAMS
+
     import autopar
     from autopar.profiling.store import ProfileStore
     from autopar.tools import zoo
@@ -39,23 +45,48 @@ def check_equivalence(name: str, streams: int) -> str:
     dev = torch.device("cuda:0")
     model = model.to(dev)
     xs = [x.to(dev) for x in inputs]
-    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
-    comp = autopar.compile(copy.deepcopy(model), streams=streams, store=ProfileStore.memory())
-    results = {}
-    for tag, m, dtype in (("eager", eager, None), ("ref", ref, torch.float64), ("ap", comp, None)):
-        ins = [x.to(dtype) if dtype else x for x in xs]
-        out = m(*ins)
-        out.sum().backward()
-        grads = [p.grad.detach().clone() for p in m.parameters()]
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-        params = [p.detach().clone() for p in m.parameters()]
-        results[tag] = [out.detach()] + grads + params
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double().cpu()
+    options = dict(TWO_STREAMS, streams=streams,
+                   policy="round_robin" if streams > 1 else "serial")  # fmt: skip
+    comp = autopar.compile(copy.deepcopy(model), store=ProfileStore.memory(), **options)
+    results: dict[str, list] = {"eager": [], "ref": [], "ap": []}
+    for _ in range(2):
+        for tag, m, dtype in (("eager", eager, None), ("ref", ref, torch.float64),
+                              ("ap", comp, None)):  # fmt: skip
+            ins = [x.cpu().to(dtype) if dtype else x for x in xs]
+            out = m(*ins)
+            out.sum().backward()
+            grads = [p.grad.detach().clone() for p in m.parameters()]
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+            m.zero_grad(set_to_none=True)
+            params = [p.detach().clone() for p in m.parameters()]
+            results[tag] += [out.detach()] + grads + params
     triples = zip(results["ap"], results["eager"], results["ref"], strict=True)
     for i, (a, e, r) in enumerate(triples):
         bound = FACTOR * _err(e, r) + ATOL * (1 + r.double().abs().max().item())
         if _err(a, r) > bound:
             return f"tensor {i}: autopar error {_err(a, r):.3e} > bound {bound:.3e}"
     return "ok"
+
+
+class ForcedForm(torch.nn.Module):
+    """Runs ``inner`` with ``AUTOPAR_RNN_FORM`` set (read each call, when the RNN rewrite
+    is entered), so one compiled model keeps one form."""
+
+    def __init__(self, inner, form: str):
+        super().__init__()
+        self.inner, self.form = inner, form
+
+    def forward(self, *args):
+        old = os.environ.get("AUTOPAR_RNN_FORM")
+        os.environ["AUTOPAR_RNN_FORM"] = self.form
+        try:
+            return self.inner(*args)
+        finally:
+            if old is None:
+                os.environ.pop("AUTOPAR_RNN_FORM", None)
+            else:
+                os.environ["AUTOPAR_RNN_FORM"] = old
 
 
 def predicted(cmodel) -> float:
@@ -107,8 +138,6 @@ def main(argv=None) -> int:
         )
     # autopar leaves nn.LSTM on CUDA to cuDNN (autopar.rnn.layers); "unrolled" is its
     # per-step Triton-cell form, forced, to show what that default saves.
-    from gpu_validate import ForcedForm
-
     print("\n== LSTM (4 layers, hidden 256, 32 steps) vs cuDNN nn.LSTM")
     for batch in (1, 16, 64):
         model = zoo.RNNModel("lstm", 64, 256, 4).cuda()

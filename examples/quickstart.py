@@ -32,4 +32,4 @@ for step in range(30):
     loss.backward()
     opt.step()
 print(f"step {step}: loss {loss.item():.3f}")
-print(autopar.explain(cmodel).summary())  # which executor runs each graph, and why
+print(autopar.explain(cmodel))  # which executor runs each graph, and why

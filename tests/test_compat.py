@@ -84,3 +84,31 @@ def test_an_untested_release_still_trains_the_zoo_like_eager(name, untested_torc
     assert not any(isinstance(g.captured, DirectGraph) for g in pipe.capture.dynamo_graphs)
     assert compiled["m"]._autopar_compiled.direct_calls == 0
     assert "not a tested release" in str(autopar.explain(compiled["m"]))
+
+
+def test_every_private_name_resolves_on_the_tested_release():
+    """Each accessor of ``compat`` finds its PyTorch name (the lazy ones imported here): a
+    torch upgrade that moves one fails here, not in the middle of a training step."""
+    if not compat.tested():
+        pytest.skip(f"torch {compat.release()} is not a tested release")
+    bound = ["is_any_autocast_enabled", "peek_interpreter_stack", "len_torch_dispatch_stack",
+             "len_torch_function_stack", "top_saved_tensors_default_hooks",
+             "get_current_graph_task_keep_graph", "get_tracing_state", "nn_linear", "vf_gru",
+             "make_contiguous_strides_for", "tree_leaves", "is_fx_symbolic_tracing",
+             "get_current_dispatch_mode_stack", "pop_mode_temporarily"]  # fmt: skip
+    missing = [n for n in bound if getattr(getattr(compat, n), "__name__", "").startswith("torch")]
+    assert not missing, f"stand-ins for missing names: {missing}"
+    getters = ["dynamo_config", "dynamo_eval_frame", "dynamo_compiled_autograd",
+               "optimized_module_class", "dynamo_exception_classes", "restart_analysis_class",
+               "dynamo_compile_lock", "functorch_config", "view_and_mutation_meta_class",
+               "coerce_to_expected_memory_format_fn", "custom_op_analysis_mode_class",
+               "inductor_config", "custom_partitioner_class", "dynamo_cache_entries"]  # fmt: skip
+    assert all(getattr(compat, n)() is not None for n in getters)
+    assert compat.autocast_dispatch_key("cpu") == "AutocastCPU"
+    assert isinstance(compat.inductor_default_cache_dir(), str)
+
+
+def test_a_missing_private_name_raises_a_clear_error():
+    stand_in = compat._bound("torch._C", "_no_such_function")
+    with pytest.raises(compat.MissingPrivateAPI, match="torch._C._no_such_function"):
+        stand_in()

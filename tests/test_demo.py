@@ -157,12 +157,19 @@ def _bench_doc():
     }  # fmt: skip
 
 
-def test_readme_table_carries_date_machine_and_load_per_row():
+def test_readme_table_says_when_where_and_the_first_minute():
     table = readme_table(_bench_doc(), "b.json")
+    assert "2026-11-30" in table and "load average before each model 1.25" in table
     row = next(line for line in table.splitlines() if line.startswith("| multi-tower"))
-    assert "2026-11-30 09:11" in row and "2-CPU x86_64" in row and "load 1.25 / 2.50" in row
-    assert "| 1.50x |" in row and "inductor, plan, native" in row  # native: the interpreter
-    assert "| - |" in row  # no torch.compile
+    assert "| 1.50x |" in row and "| - |" in row  # no torch.compile
+    fm = [{"model": "towers", "seconds": 60,
+           "cold": {"eager": {"steps": 100}, "torch.compile": {"steps": 50},
+                    "autopar": {"steps": 110}},
+           "warm": {"eager": {"steps": 100}, "torch.compile": {"steps": 120},
+                    "autopar": {"steps": 114}}}]  # fmt: skip
+    table = readme_table(_bench_doc(), "b.json", fm)
+    row = next(line for line in table.splitlines() if line.startswith("| multi-tower"))
+    assert row.endswith("| 1.10x / 0.95x |") and "First minute:" in table
 
 
 def test_bench_report_rewrites_only_the_marked_section(tmp_path, capsys):

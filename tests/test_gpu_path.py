@@ -9,18 +9,18 @@ use data written by an op on stream ``t`` only if ``s`` has, through waits on ev
 streams, learned that op finished; likewise for writes after reads). That is what a race
 on the GPU would need, so a program the simulator accepts is race-free for the plan, and
 its results must equal the graph's. It also checks ``record_stream`` (every cross-stream
-use of a tensor is recorded for its allocator) and that the caller's stream joins all.
+use of a tensor is recorded for its allocator), models the caching allocator's reuse (a
+storage freed while another stream may still use it, and handed out again by its home
+stream's pool, is a race), runs the caller on a non-default stream of its own, and checks
+that the program joins all work into the caller's stream and leaves it current.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import itertools
+import operator
 import random
-import subprocess
-import sys
-import threading
-import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 import autopar.runtime.streams as rt
 from autopar.capture.analysis import buffer_analysis
 from autopar.codegen.cuda import device_waits, is_metadata_only
-from autopar.codegen.emit import schedule
+from autopar.codegen.emit import Boxed, schedule
 from autopar.codegen.emitters import generate
 from autopar.codegen.inductor_streams import annotate_streams
 from autopar.planning.plan import Plan, Stream, Sync, node_key
@@ -147,25 +147,45 @@ class FakeEvent:
 
 
 class StreamSim(TorchDispatchMode):
-    """Replays the device's stream semantics for a program run on CPU tensors."""
+    """Replays the device's stream semantics for a program run on CPU tensors.
+
+    Data: an op may read what an op of another stream wrote, or overwrite what one read,
+    only once its stream knows (vector clocks, through waits on events and streams) that
+    op finished. Memory, as the CUDA caching allocator hands it out: a storage comes from
+    the pool of the stream that allocated it (its *home*), and when the host frees it the
+    block is at once free for the home stream's next allocation, unless ``record_stream``
+    named the other streams that used it (then the allocator waits for them). So a storage
+    used on stream ``c``, freed without ``record_stream(c)``, is a race when the home
+    stream allocates again before it knows ``c``'s last use finished ("reused"). Frees are
+    seen as they happen (a finalizer on each storage), so the program's own ``del`` and a
+    boxed call's emptied argument list count. The caller runs on a stream of its own
+    (``caller``), not the default stream (``default``): a program must fork from and join
+    into the caller's stream and leave it current.
+    """
 
     def __init__(self):
         super().__init__()
         self.main = FakeStream(self, "caller")
+        self.default = FakeStream(self, "default")
         self.current = self.main
-        self.streams = [self.main]
+        self.streams = [self.main, self.default]
+        self.ids: dict[int, int] = {}  # id(live storage object) -> key (unique per storage)
+        self.names = itertools.count()
         self.writer: dict[int, tuple] = {}  # storage -> (stream, index) of its last write
         self.readers: dict[int, list] = {}  # storage -> reads since that write
         self.alloc: dict[int, FakeStream] = {}  # storage -> stream whose pool it came from
+        self.last_use: dict[int, dict] = {}  # storage -> stream -> its last op using it
+        self.freed_unsafe: dict[FakeStream, list] = {}  # home -> (stream, op) uses at frees
         self.used: set[tuple[int, FakeStream]] = set()
         self.recorded: set[tuple[int, FakeStream]] = set()
         self.errors: list[str] = []
-        self.keep: list = []  # storages stay alive: a key is never reused in one run
         self.kernels: list[tuple[str, str]] = []  # (op, stream name) in enqueue order
+        self.frees = 0
+        self.active = False
 
     # torch.cuda stand-ins
     def new_stream(self, *args, **kwargs) -> FakeStream:
-        s = FakeStream(self, f"side{len(self.streams)}")
+        s = FakeStream(self, f"side{len(self.streams) - 1}")
         self.streams.append(s)
         return s
 
@@ -176,9 +196,23 @@ class StreamSim(TorchDispatchMode):
         self.recorded.add((self.key(t), s))
 
     def key(self, t: torch.Tensor) -> int:
-        st = t.untyped_storage()
-        self.keep.append(st)
-        return st.data_ptr()
+        st = t.untyped_storage()  # one Python object per storage while it lives
+        k = self.ids.get(id(st))
+        if k is None:
+            k = self.ids[id(st)] = next(self.names)
+            weakref.finalize(st, self.freed, id(st), k).atexit = False
+        return k
+
+    def freed(self, obj: int, k: int) -> None:
+        """The host freed storage ``k``: its block is back in its home stream's pool."""
+        self.ids.pop(obj, None)
+        if not self.active:
+            return
+        self.frees += 1
+        home = self.alloc.get(k, self.main)
+        for s, op in self.last_use.get(k, {}).items():
+            if s is not home and (k, s) not in self.recorded:
+                self.freed_unsafe.setdefault(home, []).append((s, op))
 
     def run_op(self, s: FakeStream) -> tuple:
         i = s.count
@@ -191,6 +225,7 @@ class StreamSim(TorchDispatchMode):
 
     def start(self, args) -> None:
         """The caller's stream produced the inputs (one op on it)."""
+        self.active = True
         op = self.run_op(self.main)
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor):
@@ -198,6 +233,8 @@ class StreamSim(TorchDispatchMode):
                 self.writer[k], self.readers[k], self.alloc[k] = op, [], self.main
 
     def finish(self, out) -> None:
+        if self.current is not self.main:
+            self.errors.append(f"the program leaves {self.current} current, not the caller's")
         for s in self.streams:
             if s.count and not self.knows(self.main, (s, s.count - 1)):
                 self.errors.append(f"the caller's stream does not wait for {s}'s last op")
@@ -209,6 +246,17 @@ class StreamSim(TorchDispatchMode):
         for k, s in self.used - self.recorded:
             if self.alloc.get(k, s) is not s:
                 self.errors.append(f"storage of {self.alloc[k]} used on {s}: no record_stream")
+        self.active = False
+
+    def allocate(self, s: FakeStream, name: str) -> None:
+        """``s`` allocates: it may get any block its pool got back, so each use of a block
+        freed unrecorded into that pool must be known to ``s`` by now."""
+        for c, op in self.freed_unsafe.pop(s, []):
+            if not self.knows(s, op):
+                self.errors.append(
+                    f"{name} on {s} may be given memory freed while {c} op {op[1]} still "
+                    "used it (reused: no record_stream, no wait)"
+                )
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -229,25 +277,31 @@ class StreamSim(TorchDispatchMode):
             for r in self.readers.get(k, []):
                 if r[0] is not s and not self.knows(s, r):
                     self.errors.append(f"{name} on {s} overwrites data {r[0]} op {r[1]} reads")
+        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and self.key(t) not in reads and self.key(t) not in written]  # fmt: skip
+        if fresh:
+            self.allocate(s, name)
         op = self.run_op(s)
         self.kernels.append((name, s.name))
+        for k in reads | written:
+            self.last_use.setdefault(k, {})[s] = op
         for k in reads:
             self.used.add((k, s))
             self.readers.setdefault(k, []).append(op)
         for k in written:
             self.writer[k], self.readers[k] = op, []
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                k = self.key(t)
-                if k not in reads and k not in written:  # a fresh allocation on s
-                    self.writer[k], self.readers[k], self.alloc[k] = op, [], s
+        for t in fresh:  # a fresh allocation on s
+            k = self.key(t)
+            self.writer[k], self.readers[k], self.alloc[k] = op, [], s
+            self.last_use[k] = {s: op}
         return out
 
 
 def install(sim: StreamSim, monkeypatch) -> StreamSim:
     """``sim`` stands in for ``torch.cuda``'s streams and events (until the test ends)."""
     monkeypatch.setattr(rt, "_cuda_streams", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.main)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: sim.default)
     monkeypatch.setattr(torch.cuda, "set_stream", sim.set_stream)
     monkeypatch.setattr(torch.cuda, "Stream", sim.new_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
@@ -261,9 +315,21 @@ def sim(monkeypatch):
 
 
 def simulate(sim: StreamSim, fn, args):
+    """Run ``fn(*args)`` under ``sim`` (the caller holds ``args``: inputs outlive the call)."""
     sim.start(args)
     with sim:
         out = fn(*args)
+    sim.finish(out)
+    return out
+
+
+def simulate_boxed(sim: StreamSim, prog, args: list):
+    """Run ``prog`` as AOTAutograd calls a graph (``Boxed``: the list is emptied, so each
+    input dies at its last use in the program, and the allocator may hand its memory out)."""
+    sim.start(args)
+    with sim:
+        out = Boxed(prog)(args)
+    assert args == []
     sim.finish(out)
     return out
 
@@ -517,40 +583,124 @@ def test_lstm_and_gru_on_cuda_run_the_module_forward(monkeypatch):
     assert calls == [("lstm", lstm, None), ("gru", gru, None)]
 
 
-# -- the drift monitor times CUDA work, not its launch -------------------------------------
-def test_monitor_synchronises_cuda_graphs_around_the_timed_call(monkeypatch):
-    from autopar.adapt.monitor import AdaptOptions, Monitor, cuda_devices
+# -- the simulator's memory and caller-stream rules have teeth -----------------------------
+def test_memory_freed_unrecorded_is_caught_when_its_pool_hands_it_out(monkeypatch):
+    gm = as_cuda(make_fx(branches)(*ARGS))
+    plan = cuda_plan(gm, lambda i, n: 1 if n.name in {"t", "mm_1", "relu"} else 0, 2)
+    prog = generate(gm, plan, TAG)
+    sim = install(StreamSim(), monkeypatch)
+    simulate_boxed(sim, prog, clone_args(ARGS))
+    assert not sim.errors, sim.errors
+    assert sim.frees >= 2  # x_1 and w_1 die inside the program, at their last use
 
-    events = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: events.append(("sync", d)))
-    cuda_gm = as_cuda(make_fx(branches)(*ARGS))
-    cpu_gm = make_fx(branches)(*ARGS)
-    assert cuda_devices(cuda_gm) == [torch.device("cuda:0")] and cuda_devices(cpu_gm) == []
-    for every in (0, 1):  # the plain path and the sampled (per-stream) path
-        mon = Monitor(None, AdaptOptions(sample_every=every), cache_size=2)
-        for gm, want in ((cuda_gm, 2), (cpu_gm, 0)):
-            events.clear()
-            record = types.SimpleNamespace(
-                gm=gm, plan=None, calls=1, lock=threading.RLock(), tag="g0.fw", executor="plan",
-                runner=lambda a: events.append("run") or a[0],
-            )  # fmt: skip
-            assert mon.on_call(record, record.runner, [3]) == 3
-            syncs = [e for e in events if e != "run"]
-            assert len(syncs) == want and syncs == [("sync", torch.device("cuda:0"))] * want
-            if want:
-                assert events[1] == "run"  # between the two synchronisations
+    # Without record_stream, w_1 (the caller's memory, read on stream 1 by mm_1 through
+    # its view t) goes back to the caller's pool at `del t`, right after mm_1 is enqueued,
+    # and the caller's next allocation (sin) may get it while mm_1 may still read it.
+    broken = "\n".join(ln for ln in prog.source.splitlines() if "record_stream(" not in ln)
+    ns = dict(prog.fn.__globals__)
+    exec(compile(broken, "broken", "exec"), ns)
+    prog.boxed = ns["forward_boxed"]
+    again = install(StreamSim(), monkeypatch)
+    simulate_boxed(again, prog, clone_args(ARGS))
+    reused = [e for e in again.errors if "reused" in e]
+    assert reused and reused[0].startswith("aten.sin.default on <stream caller>"), reused
+    assert "<stream side1> op 0" in reused[0]  # mm_1, stream 1's first kernel
 
 
-# -- the GPU validation script on a machine without CUDA -----------------------------------
-def test_gpu_validate_without_cuda_exits_cleanly(tmp_path):
-    out = tmp_path / "v.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_validate.py"), "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    lines = res.stdout.strip().splitlines()
-    assert "no CUDA" in res.stdout and lines[-1].startswith("SKIP")
-    report = json.loads(out.read_text())
-    assert report["cuda"] is False and report["verdict"] == "SKIP"
+def test_a_program_on_the_default_stream_fails_a_caller_on_its_own_stream(monkeypatch):
+    gm = as_cuda(make_fx(branches)(*ARGS))
+    plan = cuda_plan(gm, lambda i, n: 1 if n.name in {"t", "mm_1", "relu"} else 0, 2)
+    prog = generate(gm, plan, TAG)
+    broken = prog.source.replace("torch.cuda.current_stream(", "torch.cuda.default_stream(")
+    assert broken != prog.source
+    ns = dict(prog.fn.__globals__)
+    exec(compile(broken, "broken", "exec"), ns)
+    sim = install(StreamSim(), monkeypatch)
+    simulate(sim, ns["forward"], clone_args(ARGS))
+    assert any("unsynchronised" in e for e in sim.errors), sim.errors  # inputs not waited
+    assert any("leaves <stream default> current" in e for e in sim.errors), sim.errors
+
+
+# -- every zoo model's CUDA program, as autopar captures and plans it ----------------------
+def cuda_store():
+    """A profile store holding a CUDA calibration: the planner's machine for ``cuda:0``
+    without a GPU to measure."""
+    from autopar.planning.costmodel import MachineModel, calibration_name
+    from autopar.profiling.store import ProfileStore
+
+    store = ProfileStore.memory()
+    values = MachineModel(device="cuda:0", sync_cost_s=5e-6, dispatch_s=5e-6).to_dict()
+    values.pop("source")
+    store.put_calibration(calibration_name("cuda:0"), values)
+    return store
+
+
+def captured(name: str, monkeypatch) -> list:
+    """``(record, args)`` of every graph autopar captures in one training step of zoo model
+    ``name`` on the CPU (the rewrite of RNN layers, graph breaks and AOTAutograd's split
+    included), each with its profile (``record.unit.table``) and a copy of its inputs."""
+    from autopar.api import CompiledModule, CompileOptions
+    from autopar.pipeline import Pipeline
+    from autopar.profiling.store import ProfileStore
+
+    got = []
+    prepare = Pipeline.prepare
+
+    def spy(self, record, args):
+        got.append((record, clone_args(args)))
+        return prepare(self, record, args)
+
+    monkeypatch.setattr(Pipeline, "prepare", spy)
+    model, inputs = zoo.build(name)
+    options = CompileOptions(executors=("plan",), native=False, adapt=False, warmup=1,
+                             repeats=1, store=ProfileStore.memory())  # fmt: skip
+    torch.manual_seed(0)
+    CompiledModule(model, options)(*inputs).sum().backward()
+    monkeypatch.setattr(Pipeline, "prepare", prepare)
+    return got
+
+
+def scratch_outputs(gm) -> set[int]:
+    """Positions of ``gm``'s outputs that are oneDNN RNN workspaces (result 3 of
+    ``mkldnn_rnn_layer``): scratch the kernel leaves partly uninitialised, so its bytes
+    differ from run to run; only the backward's oneDNN kernel reads them."""
+    (out,) = gm.graph.find_nodes(op="output")
+    return {
+        i for i, n in enumerate(tree_leaves(out.args[0]))
+        if isinstance(n, torch.fx.Node) and n.target is operator.getitem and n.args[1] == 3
+        and "mkldnn_rnn_layer" in str(n.args[0].target)
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(zoo.MODELS))
+def test_every_zoo_models_cuda_program_is_race_free(name, monkeypatch):
+    """Each graph's profile, relabelled ``cuda:0``, planned by the planner on three CUDA
+    streams (round_robin: most edges cross streams), generated, and run as AOTAutograd
+    runs it (boxed: inputs die at their last use) under the simulator, the caller on a
+    stream of its own: no unsynchronised access, no memory reused early, the graph's
+    results bit for bit."""
+    from autopar.planning import partition
+
+    monkeypatch.setattr(partition, "_MACHINE_CACHE", {})  # the fake CUDA machine stays here
+    store = cuda_store()
+    graphs = captured(name, monkeypatch)
+    assert graphs and {r.tag.rsplit(".", 1)[1] for r, _ in graphs} >= {"fw", "bw"}
+    for record, args in graphs:
+        gm = as_cuda(record.gm)
+        table = record.unit.table.copy()
+        table["device"] = table["device"].replace({"cpu": "cuda:0"})
+        plan = partition.make_plan(table, streams=3, policy="round_robin", store=store,
+                                   graph_id=record.tag)  # fmt: skip
+        assert {s.device for s in plan.streams} == {"cuda:0"}
+        prog = generate(gm, plan, record.tag)
+        assert prog.boxed is not None and "torch.cuda.set_stream" in prog.source
+        torch.manual_seed(1)
+        want = gm(*clone_args(args))
+        sim = install(StreamSim(), monkeypatch)
+        torch.manual_seed(1)  # RNG ops run in graph order: the same draws
+        got = simulate_boxed(sim, prog, clone_args(args))
+        assert not sim.errors, (record.tag, sim.errors[:5])
+        keep = [i not in scratch_outputs(gm) for i in range(len(tree_leaves(want)))]
+        assert_close(*([x for x, k in zip(tree_leaves(out), keep, strict=True) if k]
+                       for out in (got, want)))  # fmt: skip
+        assert len({s for _, s in sim.kernels}) >= 2, record.tag

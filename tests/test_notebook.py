@@ -19,12 +19,14 @@ pytest.importorskip("ipykernel")
 NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "notebooks", "plan_inspection.ipynb")
 
 
-def test_notebook_is_stored_without_outputs():
+def test_notebook_is_stored_with_its_outputs():
+    """A reader of the repository sees what the notebook shows (it was run top to bottom,
+    its cells in order); CI runs it again below."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.outputs for cell in code)
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1))
 
 
 def test_kernel_runs_this_interpreter():
@@ -55,3 +57,4 @@ def test_notebook_executes_without_errors(tmp_path):
     assert not errors
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 3  # networkx drawing, Gantt chart, what-if bars
+    assert "# ladder: plan" in str(nb.cells[-1].outputs)  # explain's summary, shown as text

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar import compat
 from autopar.adapt.monitor import AdaptOptions
 from autopar.capture.backend import GraphRecord, dynamo_compile
 from autopar.capture.dynamo_call import CachedFrameCall
@@ -347,8 +348,7 @@ def _dynamo_owner() -> tuple[Any, str]:
     the frame's code object (a compiled function)."""
     import sys
 
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    OptimizedModule = compat.optimized_module_class()  # noqa: N806 - a class
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name in ("_wrapped_call_impl", "_call_impl", "__call__"):
@@ -357,9 +357,7 @@ def _dynamo_owner() -> tuple[Any, str]:
                 return me._orig_mod, type(me._orig_mod).__name__
         frame = frame.f_back
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
+        tx = compat.dynamo_current_tx()
         code = tx.f_code
         me = tx.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if isinstance(me, nn.Module):
@@ -395,10 +393,8 @@ def register_backend() -> None:
             return
     except Exception:  # noqa: BLE001 - broken metadata: register directly
         pass
-    import torch._dynamo
-
     try:
-        torch._dynamo.register_backend(autopar_backend, name=BACKEND)
+        compat.register_dynamo_backend(autopar_backend, BACKEND)
     except AssertionError:  # already registered (a reload)
         pass
 

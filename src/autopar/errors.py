@@ -76,10 +76,12 @@ def traced_user_error(exc: BaseException) -> BaseException | None:
         ... except Exception as exc:
         ...     raise (traced_user_error(exc) or exc) from None
     """
-    try:
-        from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
-    except ImportError:  # pragma: no cover - a torch without Dynamo
+    from autopar import compat
+
+    classes = compat.dynamo_exception_classes()
+    if classes is None:  # pragma: no cover - a torch without Dynamo
         return None
+    TorchDynamoException, TorchRuntimeError = classes  # noqa: N806 - classes
     if not isinstance(exc, TorchRuntimeError):
         return None
     orig, seen = exc, 0

@@ -130,11 +130,10 @@ def register_with_torch() -> None:
     """Name the ``"autopar"`` log in ``torch._logging``'s registry, so ``TORCH_LOGS=help``
     lists it and ``TORCH_LOGS=autopar`` / ``+autopar`` set its level. (TORCH_LOGS finds
     ``autopar`` as an importable module even before ``import autopar``.)"""
-    try:
-        from torch._logging._internal import log_registry, register_log
+    from autopar import compat
 
-        if not log_registry.is_log(LOGGER):
-            register_log(LOGGER, [LOGGER])
+    try:
+        compat.register_torch_log(LOGGER)
     except Exception:  # noqa: BLE001 - torch's registry moved: TORCH_LOGS still finds the module
         pass
 

@@ -21,6 +21,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from autopar import compat
 from autopar.adapt.monitor import AdaptOptions, Monitor
 from autopar.adapt.shapes import (
     HookGuardsWhileCompiling,
@@ -510,9 +511,7 @@ def _dynamo_reason() -> str | None:
     """Why Dynamo is compiling again (its first guard failure), when it is a recompile; None
     for a frame's first compile. Read from Dynamo's compile metrics; None when absent."""
     try:
-        from torch._dynamo.utils import get_metrics_context
-
-        reason = getattr(get_metrics_context(), "_metrics", {}).get("recompile_reason")
+        reason = getattr(compat.dynamo_metrics_context(), "_metrics", {}).get("recompile_reason")
     except Exception:  # noqa: BLE001 - another torch: no reason, still one line
         return None
     if not reason:

@@ -1,11 +1,18 @@
 """Adaptive execution: monitor step times, detect drift, re-plan, cache plans per shape.
 
 Every call of a compiled graph after its first is timed (``perf_counter`` around the
-runner; on CUDA synchronised before and after, see ``_GraphState.cuda_sync``) and
-compared with the plan's prediction. Every ``sample_every``-th call of a
+runner) and compared with the plan's prediction. Every ``sample_every``-th call of a
 multi-stream CPU program also times each stream function (``_stream_<k>`` of the generated
 program, wrapped for that one call), so ``stats(cmodel, per="graph")`` shows per-stream
 segments. Overhead: two ``perf_counter`` calls and one tuple append per graph call.
+
+CUDA. A CUDA call returns once its kernels are *enqueued*: ``perf_counter`` would time the
+launches, and synchronising around every call would stall the host's run-ahead forever.
+A CUDA graph's calls are timed by events on the caller's stream of each of its devices
+(``codegen.cuda.CudaTimer``), read once the device has passed them (``Event.query`` never
+waits), so a call's row may come a few calls later. Only measurement windows synchronise:
+every ``sample_every``-th call of the graph, and a call finding ``MAX_PENDING`` calls
+unread (a host that far ahead of its device); steady-state calls never do.
 
 Drift. ``ratio = measured / predicted`` per graph call. The cost model is not exact, so the
 first ``window`` calls after ``warmup`` set a per-graph ``baseline`` ratio; the graph has
@@ -52,6 +59,7 @@ from typing import Any
 import torch
 
 from autopar.adapt.shapes import PlanCache
+from autopar.codegen.cuda import CudaTimer
 from autopar.codegen.emit import Boxed
 
 log = logging.getLogger("autopar")
@@ -95,10 +103,15 @@ class AdaptOptions:
             raise ValueError(f"AdaptOptions.threshold must be > 1.0, got {self.threshold}")
 
 
+#: Unread CUDA timings per graph beyond which a call synchronises (see the docstring).
+MAX_PENDING = 64
+
+
 class _GraphState:
     """What the monitor knows about one graph record."""
 
     def __init__(self) -> None:
+        self._timer: CudaTimer | None | bool = False  # False: not looked up yet
         self.reset()
         self.replans = 0
         self.baseline: float | None = None
@@ -110,15 +123,15 @@ class _GraphState:
         self.fake: dict[str, float] = {}  # plan hash -> injected seconds (before baseline)
         self.gave_up = False
         self.hashed: tuple = (None, "")  # (plan, plan.plan_hash): hashing a plan is slow
-        self._sync = None  # see cuda_sync
 
-    def cuda_sync(self, record):
-        """What brackets a timed call: synchronise the CUDA devices of the graph's tensors
-        (found once per graph), else nothing. A CUDA call returns once its kernels are
-        *enqueued*; without this the monitor would time the launches, not the work."""
-        if self._sync is None:
-            self._sync = _cuda_sync_of(getattr(record, "gm", None))
-        return self._sync
+    def cuda_timer(self, record) -> CudaTimer | None:
+        """The event timer of a graph whose values live on CUDA (its devices found once),
+        None for a CPU graph (which keeps its two ``perf_counter`` calls)."""
+        if self._timer is False:
+            gm = getattr(record, "gm", None)
+            devices = cuda_devices(gm) if gm is not None else []
+            self._timer = CudaTimer(devices) if devices else None
+        return self._timer
 
     def plan_hash(self, plan) -> str:
         if self.hashed[0] is not plan:
@@ -130,10 +143,8 @@ class _GraphState:
         self.drifting = 0  # consecutive drifting windows: + slower, - faster than baseline
         self.since_plan = 0
         self.threads = torch.get_num_threads()
-
-
-def _no_sync() -> None:
-    return None
+        if self._timer:
+            self._timer.clear()
 
 
 def cuda_devices(gm) -> list[torch.device]:
@@ -145,20 +156,6 @@ def cuda_devices(gm) -> list[torch.device]:
             if isinstance(v, torch.Tensor) and v.device.type == "cuda":
                 found[torch.device("cuda", v.device.index or 0)] = None
     return list(found)
-
-
-def _cuda_sync_of(gm):
-    """A no-argument function synchronising ``gm``'s CUDA devices (a no-op for CPU graphs,
-    so the CPU path keeps its two ``perf_counter`` calls)."""
-    devices = cuda_devices(gm) if gm is not None else []
-    if not devices:
-        return _no_sync
-
-    def sync() -> None:
-        for d in devices:
-            torch.cuda.synchronize(d)
-
-    return sync
 
 
 class Monitor:
@@ -255,18 +252,33 @@ class Monitor:
         opts = self.options
         if st.reason is not None and not st.busy and record.plan is not None:
             return self._reprofile(record, st, args)
+        sampled = bool(opts.sample_every) and record.calls % opts.sample_every == 0
+        timer = st.cuda_timer(record)
+        if timer is not None:
+            return self._cuda_call(record, st, runner, args, timer, sampled)
         segs = None
-        if opts.sample_every and record.calls % opts.sample_every == 0:
+        if sampled:
             with record.lock:
                 segs, out, dt = self._timed_call(record, st, args)
         else:
-            sync = st.cuda_sync(record)
-            sync()
             t0 = time.perf_counter()
             out = runner(args)
-            sync()
             dt = time.perf_counter() - t0
         self._observe(record, st, dt, segs)
+        return out
+
+    def _cuda_call(self, record, st, runner, args, timer: CudaTimer, sampled: bool):
+        """A CUDA graph's call, timed by ``timer``'s events (module docstring): what it
+        observes are earlier calls the devices have finished, each with the step, shape,
+        plan and executor of its own call."""
+        at = (self.step, self.cache.describe(self.key), record.plan, record.executor, sampled)
+        timer.start()
+        out = runner(args)
+        timer.stop(at)
+        if sampled or len(timer.pending) >= MAX_PENDING:
+            timer.sync()  # a measurement window: the only synchronisation of a CUDA graph
+        for dt, at in list(timer.done()):
+            self._observe(record, st, dt, {0: dt} if at[4] else None, at[:4])
         return out
 
     def observed(self, record, seconds: list[float]) -> None:
@@ -286,33 +298,33 @@ class Monitor:
 
     def _timed_call(self, record, st, args):
         """Run once with every stream function timed (``runtime.streams.stream_timings``);
-        a serial (or CUDA, or Inductor) program is one stream: the call's time."""
+        a serial (or Inductor) CPU program is one stream: the call's time."""
         from autopar.runtime.streams import stream_timings
 
-        sync = st.cuda_sync(record)
         with stream_timings() as segs:
-            sync()
             t0 = time.perf_counter()
             out = record.runner(args)
-            sync()
             dt = time.perf_counter() - t0
         return (dict(segs) if segs else {0: dt}), out, dt
 
-    def _observe(self, record, st: _GraphState, dt: float, segs) -> None:
+    def _observe(self, record, st: _GraphState, dt: float, segs, at: tuple | None = None) -> None:
+        """One timed call: a stats row, then the drift check. ``at``: the call's ``(step,
+        shape, plan, executor)`` when it is observed later than it ran (CUDA), else now's."""
         opts = self.options
-        plan = record.plan
+        if at is None:
+            at = (self.step, self.cache.describe(self.key), record.plan, record.executor)
+        step, shape, plan, executor = at
         pred = plan.predicted_step_time if plan is not None else float("nan")
         if self.injected and plan is not None:
             dt += self._fake_extra(record, st, plan) * (st.baseline or 1.0)
         ratio = dt / pred if pred > 0 else float("nan")
         event, st.event = st.event, ""
         self.rows.append(
-            (self.step, record.tag, self.cache.describe(self.key), pred, dt, ratio,
-             st.plan_hash(plan), segs, event, record.executor)
+            (step, record.tag, shape, pred, dt, ratio, st.plan_hash(plan), segs, event, executor)
         )  # fmt: skip
         if plan is None or not ratio == ratio or st.reason is not None or st.busy:
             return
-        if record.executor != "plan":
+        if executor != "plan":
             return  # drift and re-planning concern planned programs (not Inductor's code)
         if self.pipeline.compiling():
             # The model's own warm-up shares the machine (runtime.builds): its windows are
@@ -436,15 +448,17 @@ class Monitor:
         if h not in st.fake:
             st.fake[h] = 0.0
             if st.true_table is not None:
-                from autopar.planning.partition import default_machine, graph_device
+                from autopar.planning.partition import default_machine
                 from autopar.planning.simulate import simulate
                 from autopar.planning.taskgraph import task_graph_from_profile
+                from autopar.runtime.planned import graph_device
 
                 s = []
+                # the model of the graph's own device (one per device, calibrated once), as
+                # the planner took it (runtime.planned.graph_device)
+                machine = default_machine(self.pipeline.store, graph_device(st.true_table))
                 for t in (self._scaled(st.true_table), st.true_table):
                     g = task_graph_from_profile(t)
-                    # the model of the graph's own device (one per device, calibrated once)
-                    machine = default_machine(self.pipeline.store, graph_device(g))
                     r = simulate(g, plan.placement, list(plan.order), list(plan.streams), machine)
                     s.append(r.makespan)
                 st.fake[h] = max(0.0, s[0] - s[1])

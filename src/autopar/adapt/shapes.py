@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from autopar import compat
+
 log = logging.getLogger("autopar")
 
 
@@ -88,7 +90,7 @@ class PlanCache:
 
 def dynamo_recompile_limit() -> int:
     """Dynamo's process-wide recompile limit now (``cache_size_limit`` before torch 2.6)."""
-    cfg = torch._dynamo.config
+    cfg = compat.dynamo_config()
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
 
@@ -120,9 +122,9 @@ class HookGuardsWhileCompiling:
         >>> guards = HookGuardsWhileCompiling()
         >>> with guards:
         ...     guards.arm()
-        ...     torch._dynamo.config.skip_nnmodule_hook_guards
+        ...     compat.dynamo_config().skip_nnmodule_hook_guards
         False
-        >>> torch._dynamo.config.skip_nnmodule_hook_guards   # restored
+        >>> compat.dynamo_config().skip_nnmodule_hook_guards   # restored
         True
     """
 
@@ -132,7 +134,7 @@ class HookGuardsWhileCompiling:
         self.old: bool | None = None
 
     def arm(self) -> None:
-        cfg = torch._dynamo.config
+        cfg = compat.dynamo_config()
         if self.old is None and cfg.skip_nnmodule_hook_guards:
             self.old = True
             cfg.skip_nnmodule_hook_guards = False
@@ -142,7 +144,7 @@ class HookGuardsWhileCompiling:
 
     def __exit__(self, *exc) -> None:
         if self.old is not None:
-            torch._dynamo.config.skip_nnmodule_hook_guards = self.old
+            compat.dynamo_config().skip_nnmodule_hook_guards = self.old
             self.old = None
 
 
@@ -171,7 +173,7 @@ class _DynamoSettings:
         self.want, self.old = want, {}
 
     def __enter__(self):
-        cfg = torch._dynamo.config
+        cfg = compat.dynamo_config()
         changes = {}
         if cfg.skip_nnmodule_hook_guards:
             changes["skip_nnmodule_hook_guards"] = False
@@ -184,7 +186,7 @@ class _DynamoSettings:
         return self
 
     def __exit__(self, *exc) -> None:
-        cfg = torch._dynamo.config
+        cfg = compat.dynamo_config()
         for k, v in self.old.items():
             setattr(cfg, k, v)
         self.old = {}

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar import compat
+
 #: Base names of aten ops that draw from the global random generator, for ops whose schema
 #: lacks the ``nondeterministic_seeded`` tag and a ``Generator`` argument.
 RNG_NAMES = {
@@ -45,7 +47,7 @@ RNG_NAMES = {
 
 def is_op(node: fx.Node) -> bool:
     """Whether ``node`` calls an aten-style ``OpOverload`` (it has a schema to read)."""
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    return node.op == "call_function" and isinstance(node.target, compat.OpOverload)
 
 
 def is_written(arg: Any) -> bool:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar import compat
 from autopar.capture.analysis import buffer_analysis
 from autopar.capture.dynamo_graph import DynamoGraph, OnGraphCall
 from autopar.capture.layout import robust_views
@@ -382,14 +383,12 @@ class Capture:
 
     def backend(self, gm: fx.GraphModule, example_inputs):
         """The ``torch.compile`` backend: AOTAutograd with autopar's graph compilers."""
-        from torch._dynamo.backends.common import aot_autograd
-
         k = next(self._counter)
         t0 = time.perf_counter()
         _run_graph_passes(self.graph_passes, gm, k)
         self._sources[k] = _Sources(gm)
         try:
-            compiler = aot_autograd(
+            compiler = compat.dynamo_aot_autograd(
                 fw_compiler=self._compiler(f"g{k}.fw", "forward", t0, k),
                 bw_compiler=self._compiler(f"g{k}.bw", "backward", t0, k),
                 inference_compiler=self._compiler(f"g{k}.inf", "forward", t0, k),
@@ -397,7 +396,7 @@ class Capture:
             # The backward is traced with the forward (under Dynamo's compile lock), not
             # lazily in the first backward, where it would race another thread's trace:
             # both write torch.fx.traceback's process-wide node metadata.
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            with compat.functorch_config().patch(force_non_lazy_backward_lowering=True):
                 compiled = compiler(gm, example_inputs)
             graph = DynamoGraph(k, gm, compiled, self.on_graph_call)
             with self._lock:
@@ -405,9 +404,7 @@ class Capture:
             self._go_direct(k)  # a backward compiled at once (symbolic sizes saved)
             return graph
         except Exception as exc:  # noqa: BLE001 - AOTAutograd could not trace: run eagerly
-            from torch._dynamo.exc import RestartAnalysis
-
-            if isinstance(exc, RestartAnalysis):
+            if isinstance(exc, compat.restart_analysis_class()):
                 # Dynamo's own control flow (e.g. a float scalar input to be traced as a
                 # tensor): it re-traces and calls this backend again. Not a failure.
                 raise
@@ -424,8 +421,8 @@ class Capture:
 def _aot_meta() -> tuple[Any, bool]:
     """AOTAutograd's metadata of the forward it is compiling (None outside its trace), and
     whether autocast was on (AOTAutograd then runs the graph with autocast off)."""
-    ctx = torch._guards.TracingContext.try_get()
-    return getattr(ctx, "fw_metadata", None), torch._C._is_any_autocast_enabled()
+    ctx = compat.current_tracing_context()
+    return getattr(ctx, "fw_metadata", None), compat.is_any_autocast_enabled()
 
 
 class _WarnOnceItRan:
@@ -542,19 +539,12 @@ def without_aot_first_call_check():
     Only that mode, on top of the stack, is suspended; a user's own modes stay. Where this
     torch has no such mode, nothing changes.
     """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
-
-    try:
-        from torch._functorch._aot_autograd.runtime_wrappers import (
-            _AnalyzeCustomOpInputOutputMode as analysis,
-        )
-    except ImportError:  # another torch: no first-call analysis to suspend
-        analysis = None
-    stack = _get_current_dispatch_mode_stack()
+    analysis = compat.custom_op_analysis_mode_class()  # None: no first-call analysis
+    stack = compat.get_current_dispatch_mode_stack()
     if analysis is None or not stack or not isinstance(stack[-1], analysis):
         yield
         return
-    with _pop_mode_temporarily():
+    with compat.pop_mode_temporarily():
         yield
 
 

@@ -37,7 +37,7 @@ A bypass (``autopar.compat``): on a torch release the project has not tested, or
 
 Example::
 
-    >>> meta = torch._guards.TracingContext.try_get().fw_metadata   # doctest: +SKIP
+    >>> meta = compat.current_tracing_context().fw_metadata   # doctest: +SKIP
     >>> unsupported(meta, num_inputs=35)       # None: this graph can run directly
     >>> runner = DirectGraph(meta, fw, bw, aot_runner)             # doctest: +SKIP
     >>> out = runner(*args)                    # what AOTAutograd's runner returns
@@ -49,11 +49,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo import compiled_autograd  # imported by the caller already: Dynamo runs
-from torch._functorch._aot_autograd.runtime_wrappers import coerce_to_expected_memory_format
-from torch._prims_common import make_contiguous_strides_for
 
 from autopar import compat
+
+compiled_autograd = compat.dynamo_compiled_autograd()  # imported already: Dynamo runs
+coerce_to_expected_memory_format = compat.coerce_to_expected_memory_format_fn()
+make_contiguous_strides_for = compat.make_contiguous_strides_for
 
 #: AOTAutograd's error for a backward with donated buffers under ``retain_graph=True``
 #: (torch 2.13, ``runtime_wrappers``), with what autopar adds.
@@ -195,8 +196,8 @@ def aot_only() -> bool:
     autocast off around the graph, whose casts are traced in; Dynamo guards on the autocast
     state, so such a graph is always called under autocast), compiled autograd or a
     functorch transform (``torch.func``), which autopar's functions do not handle."""
-    return (torch._C._is_any_autocast_enabled() or _compiled_autograd()
-            or torch._C._functorch.peek_interpreter_stack() is not None)  # fmt: skip
+    return (compat.is_any_autocast_enabled() or _compiled_autograd()
+            or compat.peek_interpreter_stack() is not None)  # fmt: skip
 
 
 def _compiled_autograd() -> bool:
@@ -226,7 +227,7 @@ def _function_for(graph: DirectGraph) -> type[torch.autograd.Function]:
         @staticmethod
         def backward(ctx, *grads):
             args = list(ctx.saved_tensors)
-            if not torch._C._autograd._get_current_graph_task_keep_graph():
+            if not compat.get_current_graph_task_keep_graph():
                 ctx.maybe_clear_saved_tensors()  # the backward frees what it has read
             elif donated:
                 raise RuntimeError(DONATED_RETAIN)

@@ -53,7 +53,6 @@ import types
 from typing import Any
 
 import torch
-import torch._dynamo
 import torch.fx
 
 from autopar import compat
@@ -172,11 +171,11 @@ def _plain_call(model: torch.nn.Module) -> bool:
 
 
 _module_hooks = torch.nn.modules.module
-_eval_frame = torch._dynamo.eval_frame
-_dynamo_config = torch._dynamo.config
+_eval_frame = compat.dynamo_eval_frame()
+_dynamo_config = compat.dynamo_config()
 _is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
-_fx_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
+_tracing_state = compat.get_tracing_state
+_fx_tracing = compat.is_fx_symbolic_tracing
 _profiler = torch.autograd.profiler
 
 

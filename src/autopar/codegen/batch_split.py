@@ -34,6 +34,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopar import compat
 from autopar.codegen.inductor import TensorMeta
 from autopar.codegen.joint import JointProgram, compile_joint, start_joint_warmup
 
@@ -138,7 +139,7 @@ def _halves_follow(full: fx.GraphModule, half: fx.GraphModule) -> str | None:
     for x, y in zip(a, b, strict=True):
         vx, vy = x.meta.get("val"), y.meta.get("val")
         shapes = [(tuple(p.shape), tuple(q.shape)) for p, q in zip(
-            torch.utils._pytree.tree_leaves(vx), torch.utils._pytree.tree_leaves(vy),
+            compat.tree_leaves(vx), compat.tree_leaves(vy),
             strict=False) if isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor)]
         for s_full, s_half in shapes:
             if s_half != s_full and (not s_full or s_half != (s_full[0] // 2, *s_full[1:])):
@@ -184,7 +185,7 @@ def _rows_stay_apart(g: fx.GraphModule, picked: set[int], batch: int) -> str | N
         if why is not None:
             return f"{node.target} {why}"
         batched.add(node)
-    outs = [a for a in torch.utils._pytree.tree_leaves(g.graph.output_node().args)
+    outs = [a for a in compat.tree_leaves(g.graph.output_node().args)
             if isinstance(a, fx.Node)]  # fmt: skip
     for out in outs:
         if out not in batched or out.op == "placeholder":

@@ -31,6 +31,8 @@ replay) is what Inductor's CUDA graph trees do; use ``torch.compile(mode="reduce
 from __future__ import annotations
 
 import operator
+from collections import deque
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -249,3 +251,57 @@ def device_waits(sched, plan, tag: str) -> DeviceWaits:
         clocks.run(d, n)
     ordered = sorted(signals, key=pos.__getitem__)
     return DeviceWaits(waits, ordered, metadata, owner, home)
+
+
+# -- timing a program's device work ---------------------------------------------------------
+class CudaTimer:
+    """Times one CUDA graph's calls with event pairs, never synchronising by itself.
+
+    ``start()`` and ``stop(at)`` record an event on the current (the caller's) stream of
+    each device around a call. The programs :func:`emit_cuda` writes fork their side
+    streams from that stream and join them back into it (as Inductor's do), so the pair
+    brackets all of the call's device work, however many streams ran it.
+    ``done()`` yields ``(seconds, at)`` for the calls whose end events the devices have
+    passed, oldest first, stopping at the first that is not (``Event.query``: no wait); a
+    call on several devices takes its longest device. ``sync()`` synchronises the devices:
+    the monitor calls it in measurement windows only.
+    """
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices = devices
+        self.pending: deque[tuple[list, list, Any]] = deque()
+        self._open: list | None = None
+
+    def _mark(self) -> list:
+        marks = []
+        for d in self.devices:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(torch.cuda.current_stream(d))
+            marks.append(e)
+        return marks
+
+    def start(self) -> None:
+        self._open = self._mark()
+
+    def stop(self, at: Any) -> None:
+        if self._open is not None:
+            self.pending.append((self._open, self._mark(), at))
+        self._open = None
+
+    def done(self):
+        while self.pending:
+            starts, ends, at = self.pending[0]
+            if not all(e.query() for e in ends):
+                return
+            self.pending.popleft()
+            ms = max(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+            yield ms / 1e3, at
+
+    def sync(self) -> None:
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+
+    def clear(self) -> None:
+        """Forget unread calls (a new program: they timed the old one)."""
+        self.pending.clear()
+        self._open = None

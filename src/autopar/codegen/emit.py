@@ -42,7 +42,8 @@ from autopar.planning.clocks import VectorClocks
 from autopar.planning.plan import Plan
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
-RESERVED = {"torch", "aten", "operator", "inf", "nan", "st", "v", "ev", "w", "a", "_rt", "_gm"}
+RESERVED = {"torch", "aten", "operator", "inf", "nan", "st", "v", "ev", "w", "a", "_rt", "_gm",
+            "_args", "forward", "forward_boxed"}  # fmt: skip
 program_counter = itertools.count()
 
 
@@ -67,6 +68,9 @@ class Program:
     executor: str = ""  # "native" for the native interpreter's programs (who made it)
     # the native interpreter's program object that ``fn`` runs (``PROGRAM`` in the source)
     interpreter: Any = None
+    # ``boxed(args)``: ``fn`` taking one list, which it empties once it has unpacked it
+    # (``forward_boxed`` in the source; None where the emitter writes none): see Boxed
+    boxed: Callable[[list], Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
@@ -81,15 +85,29 @@ class Program:
 class Boxed:
     """A graph record's runner for ``program``: ``runner(args)`` (one list, as AOTAutograd
     calls a graph) returns ``program.fn(*args)``; ``runner.program`` says what runs (the
-    native direct path reads it: ``autopar.runtime.native_direct``)."""
+    native direct path reads it: ``autopar.runtime.native_direct``).
 
-    __slots__ = ("fn", "program")
+    AOTAutograd's boxed calling convention: the callee empties the list it is given. The
+    caller keeps no other reference to a backward's saved tensors, so once the list is
+    empty each saved tensor dies at the program's ``del`` after its last use, not when the
+    backward returns (a backward's peak memory is then eager's, not the sum of everything
+    saved). ``program.boxed`` does that (it unpacks into its own locals, then clears);
+    a program without one (the CPU worker streams, the native interpreter) gets a list
+    emptied here, before it runs, and holds the tensors until it returns.
+    """
+
+    __slots__ = ("fn", "boxed", "program")
 
     def __init__(self, program: Any):
         self.program, self.fn = program, program.fn
+        self.boxed = getattr(program, "boxed", None)
 
     def __call__(self, args: list) -> Any:
-        return self.fn(*args)
+        if self.boxed is not None:
+            return self.boxed(args)
+        taken = tuple(args)
+        args.clear()
+        return self.fn(*taken)
 
 
 # -- formatting -------------------------------------------------------------------------------

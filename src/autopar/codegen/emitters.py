@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from autopar.codegen.emit import Program
 from autopar.codegen.native import Unsupported, generate_native
-from autopar.codegen.python import generate_python
+from autopar.codegen.python import generate_python, traced_devices
 from autopar.planning.plan import Plan
 
 
@@ -72,8 +72,9 @@ def generate(
     """
     if emitter not in EMITTERS:
         raise ValueError(f"emitter must be one of {sorted(EMITTERS)}, not {emitter!r}")
-    if any(getattr(s, "device", "cpu").startswith("cuda") for s in plan.streams):
-        emitter = "python"
+    if any(getattr(s, "device", "cpu").startswith("cuda") for s in plan.streams) or any(
+            d.startswith("cuda") for d in traced_devices(gm)):  # fmt: skip
+        emitter = "python"  # the native interpreter runs CPU streams only
     return EMITTERS[emitter](
         gm, plan, tag, provenance=provenance, cuda_graph=cuda_graph, timeout_s=timeout_s
     )  # fmt: skip

@@ -67,20 +67,65 @@ def prepare(gm: fx.GraphModule, example_args: list):
     """Re-trace ``gm`` with Inductor's decompositions and joint-graph passes, on fakes of
     ``example_args`` (real tensors or ``torch.empty_strided`` stand-ins: only metadata is
     read). Returns ``(decomposed graph, fake mode, fake args)``. Run it on the thread that
-    calls the compiled model (FX tracing sets process-global state)."""
+    calls the compiled model (FX tracing sets process-global state).
+
+    Node meta survives the re-trace: every node made while tracing node ``n`` (its
+    decomposition) gets ``n``'s ``custom`` dict (the stream annotation of
+    ``codegen.inductor_streams``) and a ``from_node`` naming ``n``; ``gm.meta``'s
+    ``autopar.stream_index`` is copied and its ``autopar.stream_syncs`` re-pointed at the
+    new nodes (:func:`carry_stream_meta`)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._inductor.virtualized import V
+    from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
     mode, fakes = _fake_args(example_args)
-    with config.patch(INDUCTOR_CONFIG), tracing(TracingContext(mode)), torch.no_grad():
-        dec = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fakes)
+
+    def run(*args):
+        # Through an Interpreter, not gm's own forward: Interpreter.run_node makes each
+        # node's meta the "current meta" that the tracer copies onto the nodes it creates
+        # (under preserve_node_meta), so an annotation survives decomposition.
+        return fx.Interpreter(gm).run(*args)
+
+    with config.patch(INDUCTOR_CONFIG), tracing(TracingContext(mode)), torch.no_grad(), \
+            fx_traceback.preserve_node_meta():
+        dec = make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fakes)
         with V.set_fake_mode(mode):
             joint_graph_passes(dec)
+    carry_stream_meta(gm, dec)
     return dec, mode, fakes
+
+
+def origin(node: fx.Node) -> str | None:
+    """The name of the node of the traced graph that ``node`` of a re-trace came from (its
+    ``meta["from_node"]``, set under ``preserve_node_meta``), or None."""
+    src = node.meta.get("from_node")
+    return getattr(src[-1], "name", None) if src else None
+
+
+def carry_stream_meta(gm: fx.GraphModule, dec: fx.GraphModule) -> None:
+    """Copy ``gm.meta``'s stream entries (``codegen.inductor_streams.annotate_streams``) to
+    its re-trace ``dec``, with each sync ``(producer, consumer)`` re-pointed from ``gm``'s
+    node names to ``dec``'s: the last node made from the producer (the one holding its
+    value) and the first made from the consumer (the first kernel that must wait). A sync
+    whose nodes vanished (folded away by a pass) is dropped: nothing is left to order."""
+    if "autopar.stream_index" not in gm.meta:
+        return
+    dec.meta["autopar.stream_index"] = dict(gm.meta["autopar.stream_index"])
+    first: dict[str, str] = {}
+    last: dict[str, str] = {}
+    for n in dec.graph.nodes:
+        o = origin(n)
+        if o is not None and n.op == "call_function":
+            first.setdefault(o, n.name)
+            last[o] = n.name
+    dec.meta["autopar.stream_syncs"] = [
+        (last[p], first[c]) for p, c in gm.meta.get("autopar.stream_syncs", ())
+        if p in last and c in first
+    ]  # fmt: skip
 
 
 def compile_inductor(
@@ -143,8 +188,47 @@ def start_warmup(gm: fx.GraphModule, example_args: list, tag: str):
     meta = input_meta(example_args)
     fd, path = tempfile.mkstemp(prefix="autopar-inductor-", suffix=".pt")
     os.close(fd)
-    torch.save({"gm": gm, "meta": meta, "tag": tag}, path)
+    job = {"gm": gm, "meta": meta, "tag": tag, "annotations": annotations(gm)}
+    torch.save(job, path)
     return spawn_warmup("autopar.codegen.inductor", path)
+
+
+def annotations(gm: fx.GraphModule) -> dict:
+    """``gm``'s stream annotations as plain data, for :func:`annotate`: per node (get_attr
+    nodes aside) its name, target and ``custom`` dict, and the ``autopar.*`` entries of
+    ``gm.meta``. A pickled GraphModule is rebuilt from its code, which drops node meta and
+    renames the nodes: the warm-up job carries these beside it, so that the worker compiles
+    the graph the training process compiles (and their cache keys agree)."""
+    nodes = [(n.name, str(n.target), dict(n.meta["custom"]) if isinstance(
+        n.meta.get("custom"), dict) else None) for n in _ordered(gm)]  # fmt: skip
+    return {"nodes": nodes, "graph": {k: v for k, v in gm.meta.items() if k.startswith("autopar.")}}
+
+
+def _ordered(gm: fx.GraphModule) -> list[fx.Node]:
+    # get_attr nodes move when a graph is rebuilt from its code (emitted at first use)
+    return [n for n in gm.graph.nodes if n.op != "get_attr"]
+
+
+def annotate(gm: fx.GraphModule, saved: dict | None) -> fx.GraphModule:
+    """Put :func:`annotations` back on ``gm`` (in place; returned), matching nodes by
+    position and target, with the node names of ``autopar.stream_syncs`` translated. A
+    graph that does not match is left unannotated (it still compiles, on one stream)."""
+    if not saved:
+        return gm
+    nodes, old = _ordered(gm), saved.get("nodes", [])
+    if [str(n.target) for n in nodes] != [t for _, t, _ in old]:
+        return gm
+    rename = {}
+    for n, (name, _, custom) in zip(nodes, old, strict=True):
+        rename[name] = n.name
+        if custom is not None:
+            n.meta["custom"] = dict(custom)
+    gm.meta.update(saved.get("graph", {}))
+    if "autopar.stream_syncs" in gm.meta:
+        gm.meta["autopar.stream_syncs"] = [
+            (rename.get(p, p), rename.get(c, c)) for p, c in gm.meta["autopar.stream_syncs"]
+        ]
+    return gm
 
 
 def input_meta(args: list) -> list:
@@ -169,7 +253,8 @@ def stand_ins(meta: list) -> list:
 
 def _warmup_main(path: str, parent: int | None = None) -> int:
     job = load_warmup_job(path, parent)
-    compile_inductor(job["gm"], stand_ins(job["meta"]), tag=job["tag"])
+    gm = annotate(job["gm"], job.get("annotations"))
+    compile_inductor(gm, stand_ins(job["meta"]), tag=job["tag"])
     return 0
 
 

@@ -46,11 +46,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar import compat
 from autopar.codegen.emit import Program
 from autopar.codegen.inductor import INDUCTOR_CONFIG, input_meta, stand_ins
 from autopar.codegen.warmup import WarmupJob, load_warmup_job, spawn_warmup
 
-#: AOTAutograd settings for a joint compile (``torch._functorch.config.patch``), see above.
+#: AOTAutograd settings for a joint compile (``compat.functorch_config().patch``), see above.
 AOT_CONFIG = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
 
 
@@ -107,18 +108,15 @@ def compile_joint(
     over :data:`~autopar.codegen.inductor.INDUCTOR_CONFIG` for this compile only.
     ``partition``: ``"min-cut"`` (``torch.compile``'s) or ``"default"`` (AOTAutograd's
     default partition after the same joint-graph passes: ``codegen.partition``)."""
-    from torch._dynamo.convert_frame import compile_lock
-    from torch._functorch import config as aot_config
-    from torch._guards import TracingContext, tracing
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    compile_lock = compat.dynamo_compile_lock()
+    aot_config, config = compat.functorch_config(), compat.inductor_config()
 
     sources: dict[str, str] = {}
     halves: dict[str, Any] = {}  # the compiled callables AOTAutograd calls, per phase
     # AOTAutograd compiles with autocast off, so its state is read here, before.
-    traced_autocast = torch._C._is_any_autocast_enabled()
+    traced_autocast = compat.is_any_autocast_enabled()
 
     shared: list[str] = []
     arity: dict[str, tuple[int, int]] = {}
@@ -128,7 +126,7 @@ def compile_joint(
             shared.extend(_shared_outputs(graph))
         arity["backward" if kwargs.get("is_backward") else "forward"] = (
             len(inputs), len(graph.graph.output_node().args[0]))
-        compiled = compile_fx_inner(graph, inputs, **kwargs)
+        compiled = compat.compile_fx_inner(graph, inputs, **kwargs)
         phase = "backward" if kwargs.get("is_backward") else "forward"
         sources[phase] = getattr(compiled, "source_code", None) or ""
         halves[phase] = compiled
@@ -142,7 +140,8 @@ def compile_joint(
     # The inputs go in as static fakes: from real tensors AOTAutograd would make every size
     # of a non-parameter input symbolic (Dynamo tells it otherwise; here no Dynamo runs),
     # and Inductor would compile shape-generic kernels (measured 5% slower on BERT).
-    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+    mode = compat.fake_tensor_mode(shape_env=ShapeEnv(), static_shapes=True,
+                                   allow_non_fake_inputs=True)  # fmt: skip
     fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
              for a in example_args]  # fmt: skip
     # compile_lock: Inductor compiles are not re-entrant across threads (as in inductor.py).
@@ -151,10 +150,10 @@ def compile_joint(
         from autopar.codegen.partition import DefaultPartition
 
         settings["custom_partitioner_fn"] = DefaultPartition()
-    context = TracingContext(mode)
+    context = compat.tracing_context(mode)
     with compile_lock, torch.random.fork_rng(devices=cuda), config.patch(settings), \
-            aot_config.patch(AOT_CONFIG), tracing(context):  # fmt: skip
-        fn = compile_fx(gm, fakes, inner_compile=inner)
+            aot_config.patch(AOT_CONFIG), compat.tracing(context):  # fmt: skip
+        fn = compat.compile_fx(gm, fakes, inner_compile=inner)
     fn, autograd = _direct(fn, gm, halves, context.fw_metadata, traced_autocast)
     return JointProgram(tag, fn, sources, time.perf_counter() - t0, partition, autograd,
                         "; ".join(shared) or None, arity)

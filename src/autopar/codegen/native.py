@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autopar import compat
 from autopar.capture.backend import node_key
 from autopar.codegen.emit import (
     Namer,
@@ -180,7 +181,7 @@ def _check(n: fx.Node) -> None:
         if n.kwargs or not isinstance(n.args[1], int):
             raise Unsupported(f"{n.name} indexes with {n.args[1]!r}")
         return
-    if not isinstance(n.target, torch._ops.OpOverload):
+    if not isinstance(n.target, compat.OpOverload):
         name = getattr(n.target, "__name__", repr(n.target))
         raise Unsupported(f"{n.name} calls {name}, which is not an aten-style operator")
 

@@ -10,23 +10,22 @@ Inductor's cache pickles its settings.
 
 Example::
 
-    >>> from torch._inductor import config
+    >>> config = compat.inductor_config()
     >>> with config.patch({"custom_partitioner_fn": DefaultPartition()}):  # doctest: +SKIP
     ...     compiled = compile_fx(gm, fakes)
 """
 
 from __future__ import annotations
 
-from torch._functorch.partitioners import default_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from autopar import compat
 
 
-class DefaultPartition(CustomPartitionerFn):
+class DefaultPartition(compat.custom_partitioner_class()):
     """Inductor runs its joint-graph passes, then this partitions (module docstring)."""
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)  # min-cut's argument, not default_partition's
-        return default_partition(gm, joint_inputs, **kwargs)
+        return compat.default_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> str:
         """Inductor's cache key for this partitioner (bump it when ``__call__`` changes)."""

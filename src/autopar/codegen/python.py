@@ -13,6 +13,16 @@ runs (``.fn`` is made by ``exec`` of it; tracebacks show the generated lines).
   streams travel through per-call slots; every local is deleted after its last use.
 * CUDA plans: streams and events, emitted by ``autopar.codegen.cuda``.
 
+The device decides: a plan whose streams are on the CPU for a graph whose traced values
+(``node.meta["val"]``) live on one CUDA device runs on CUDA streams of that device (noted),
+never on CPU worker threads; a plan with CUDA streams for a graph whose values are all on
+the CPU is refused (``PlanError``: re-plan on the graph's device).
+
+Boxed entry. Serial and CUDA programs define ``forward_boxed(_args)``, which unpacks the
+list into its locals and empties it (AOTAutograd's boxed calling convention, see
+``codegen.emit.Boxed``), so a backward's saved tensors die at their last use;
+``forward(*args)`` calls it.
+
 In-place ops and views. A node whose aten schema writes an argument (``alias_info.is_write``,
 e.g. ``copy_``, ``add_``) writes the whole buffer of that argument; views share their base's
 buffer. Every node that reads the buffer keeps its graph (eager) order relative to the
@@ -43,6 +53,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import torch.fx as fx
 
 from autopar.capture.backend import node_key
@@ -81,6 +94,7 @@ def generate_python(
     Arguments as in :func:`autopar.codegen.emitters.generate`, which most callers use;
     ``cuda_graph=True`` raises ``ValueError``: CUDA graphs are Inductor's
     ``mode="reduce-overhead"`` (see ``autopar.codegen.cuda``)."""
+    plan, moved = on_graph_device(gm, plan, tag)
     keys = {node_key(tag, n.name) for n in gm.graph.nodes if n.op in COMPUTE_OPS}
     devices = {plan.stream_of(k).device for k in keys & set(plan.placement)}
     cuda = any(d.startswith("cuda") for d in devices)
@@ -92,6 +106,8 @@ def generate_python(
     if cuda_graph:  # kept in the signature so callers get this answer, not a TypeError
         raise ValueError(CUDA_GRAPH_UNSUPPORTED)
     sched = schedule(gm, plan, tag, cuda)
+    if moved:
+        sched.notes.insert(0, moved)
     namer = Namer()
     namer.globals["_gm"] = gm
     nodes = list(gm.graph.nodes)
@@ -109,6 +125,10 @@ def generate_python(
     else:
         mode = f"cpu, {len(sched.stream_ids)} streams"
         lines, owners = _emit_cpu(sched, plan, local, namer, inputs, out_node, timeout_s)
+    boxed = mode == "serial" or cuda
+    if boxed:
+        params = [local[n] for n in inputs if n.op == "placeholder"]
+        lines, owners = _boxed_entry(lines, owners, params)
     filename = f"<autopar {tag} {plan.plan_hash} #{next(program_counter)}>"
     head = provenance_header(plan, tag, provenance, sched.notes, mode) + PROGRAM_IMPORTS
     first = head.count("\n") + 1  # line number of lines[0]
@@ -119,7 +139,57 @@ def generate_python(
     return Program(
         source, namer.globals["forward"], plan, tag, filename, tuple(sched.notes),
         tuple(sched.stream_ids), node_at_line,
+        boxed=namer.globals["forward_boxed"] if boxed else None,
     )  # fmt: skip
+
+
+def traced_devices(gm: fx.GraphModule) -> set[str]:
+    """The devices of ``gm``'s traced tensor values (``node.meta["val"]``), e.g.
+    ``{"cpu", "cuda:0"}``; empty when nothing was traced with values."""
+    found: set[str] = set()
+    for n in gm.graph.nodes:
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else (vals,):
+            if isinstance(v, torch.Tensor):
+                d = v.device
+                found.add(f"cuda:{d.index or 0}" if d.type == "cuda" else d.type)
+    return found
+
+
+def on_graph_device(gm: fx.GraphModule, plan: Plan, tag: str) -> tuple[Plan, str]:
+    """``(plan, note)``: ``plan`` on the device of ``gm``'s values (module docstring). The
+    note says what moved ("" when nothing did); raises ``PlanError`` for CUDA streams over
+    a graph whose every traced value is on the CPU."""
+    devices = traced_devices(gm)
+    cuda = sorted(d for d in devices if d.startswith("cuda"))
+    on_cuda = [s for s in plan.streams if s.device.startswith("cuda")]
+    if len(cuda) == 1 and not on_cuda:
+        # CPU worker threads would launch the graph's kernels on per-thread default
+        # streams, unordered with the caller's stream: CUDA streams of its device instead.
+        streams = tuple(dataclasses.replace(s, device=cuda[0], threads=0) for s in plan.streams)
+        return plan.replace(streams=streams), (
+            f"plan streams on cpu run as {cuda[0]} streams: the graph's values live there"
+        )
+    if on_cuda and devices == {"cpu"}:
+        raise PlanError(
+            f"graph {tag}'s values are all on the CPU but plan {plan.graph_id!r} puts it on "
+            f"{on_cuda[0].device} streams: re-plan it on the graph's device"
+        )
+    return plan, ""
+
+
+def _boxed_entry(lines: list[str], owners: list, params: list[str]):
+    """``forward(params)`` -> ``forward_boxed(_args)`` (unpacking and emptying the list)
+    plus a ``forward`` calling it, with ``owners`` (source line -> node) kept aligned."""
+    assert lines[0].startswith("def forward("), lines[0]
+    take = f"{', '.join(params)}, = _args;  " if params else ""
+    head = [
+        "def forward_boxed(_args):",
+        f"    {take}_args.clear()  # the caller's list: its tensors die at their last use",
+    ]
+    tail = ["", "", f"def forward({', '.join(params)}):",
+            f"    return forward_boxed([{', '.join(params)}])"]  # fmt: skip
+    return head + lines[1:] + tail, [None, None] + owners[1:] + [None] * len(tail)
 
 
 def _emit_serial(sched, local, namer, inputs, out_node, threads: int = 0):

@@ -351,9 +351,9 @@ def _compile_env() -> dict[str, str]:
     its own: a relative one would name another place there)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
     if "TORCHINDUCTOR_CACHE_DIR" not in env:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        from autopar import compat
 
-        env["TORCHINDUCTOR_CACHE_DIR"] = default_cache_dir()
+        env["TORCHINDUCTOR_CACHE_DIR"] = compat.inductor_default_cache_dir()
     for k in _DIR_VARS:
         if env.get(k):
             env[k] = os.path.abspath(env[k])

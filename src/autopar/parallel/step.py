@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar import compat
 from autopar.parallel.distributed import (
     MODES,
     DistEnv,
@@ -379,9 +380,7 @@ class Step:
         # activations) instead of trusting the export's strides; gloo needs contiguous.
         mod = pipe.get_stage_module(env.rank)
         if env.device != "cpu":
-            from torch.distributed.pipelining._IR import _modify_graph_op_device
-
-            _modify_graph_op_device(mod, torch.device(env.device))
+            compat.modify_graph_op_device(mod, torch.device(env.device))
         stage = PipelineStage(mod, env.rank, env.world_size, torch.device(env.device))
         cls = Schedule1F1B if plan.schedule == "1F1B" else ScheduleGPipe
         sched = cls(stage, m, loss_fn=self.loss_fn, scale_grads=not self._sum)

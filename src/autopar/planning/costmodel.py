@@ -569,6 +569,10 @@ def calibrate(store=None, device: str = "cpu", force: bool = False) -> MachineMo
     if store is not None and not force:
         cached = store.get_calibration(name)
         if cached:
+            if device.startswith("cuda"):
+                # The name is the device's: a stored CUDA calibration lacking its device
+                # (or naming another) would give the planner CPU streams for a CUDA graph.
+                cached = {**cached, "device": device}
             return MachineModel.from_dict({**cached, "source": "store"})
     if device.startswith("cuda"):
         values = _measure_cuda(device)

@@ -42,6 +42,7 @@ import types
 import networkx as nx
 import torch
 
+from autopar import compat
 from autopar.capture.analysis import is_rng
 from autopar.errors import PlanError
 from autopar.planning.costmodel import MachineModel
@@ -78,7 +79,7 @@ def target_is_rng(target: str) -> bool:
         op = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except (AttributeError, RuntimeError):
         return False
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, compat.OpOverload):
         return False
     return is_rng(types.SimpleNamespace(op="call_function", target=op))
 

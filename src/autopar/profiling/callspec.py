@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from autopar import compat
+
 
 class NotRebuildable(ValueError):
     """The described call cannot be made again from its description (the message says why)."""
@@ -135,7 +137,7 @@ def _resolve(target: str) -> Callable[..., Any]:
     if len(parts) == 3 and parts[0] in OP_NAMESPACES:  # namespace.op.overload
         packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
         op = getattr(packet, parts[2], None) if packet is not None else None
-        if not isinstance(op, torch._ops.OpOverload):
+        if not isinstance(op, compat.OpOverload):
             raise NotRebuildable(f"no operator {target} in this process")
         if torch.Tag.dynamic_output_shape in op.tags:
             raise NotRebuildable(f"{target}'s cost depends on the values of its inputs")

@@ -53,6 +53,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar import compat
 from autopar.capture.backend import node_key
 from autopar.errors import node_source
 from autopar.profiling.callspec import encode
@@ -138,7 +139,7 @@ def _is_pure_builtin(fn: Any) -> bool:
 def _timing_args(node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Arguments for the timing calls: clones of whatever the operator may write in place."""
     target = node.target
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+    if node.op == "call_function" and isinstance(target, compat.OpOverload):
         writes = [
             (i, a.name)
             for i, a in enumerate(target._schema.arguments)
@@ -432,9 +433,7 @@ def profile_graph(
     # fx.Interpreter sets torch.fx.traceback's process-wide current node, which a Dynamo or
     # AOTAutograd trace in another thread reads and counts on (two threads on one model
     # broke each other's traces): interpret under Dynamo's compile lock, as traces run.
-    from torch._dynamo.convert_frame import compile_lock
-
-    with compile_lock:
+    with compat.dynamo_compile_lock():
         output = interp.run(*args)
     store.flush()
     df = pd.DataFrame(interp.rows, columns=COLUMNS)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar import compat
+
 
 def leaves(value: Any) -> list[Any]:
     """Flatten tuples/lists/dicts (the containers FX passes around) into their leaves."""
@@ -87,7 +89,7 @@ def target_name(node: torch.fx.Node) -> str:
     t = node.target
     if isinstance(t, str):
         return t
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(t, (compat.OpOverload, compat.OpOverloadPacket)):
         return str(t)
     module = getattr(t, "__module__", None) or ""
     # __name__, not __qualname__: torch.relu's qualname is "_VariableFunctionsClass.relu".

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from autopar import compat
+
 __all__ = [
     "AUTOCAST_CELL_DEVICES", "common_dtype", "eager_autocast", "promoted",
     "register_lower_precision_autocast",
@@ -65,11 +67,11 @@ def register_lower_precision_autocast(op, device_type: str, lib: torch.library.L
     run the op with that autocast key excluded. ``torch.library.register_autocast`` casts
     to one fixed dtype instead, which would ignore ``torch.autocast(dtype=...)``. The
     kernel lives as long as ``lib``."""
-    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    key = compat.autocast_dispatch_key(device_type)
+    excluded = compat.exclude_dispatch_key(key)
 
     def kernel(*args):
-        with torch._C._ExcludeDispatchKeyGuard(excluded):
+        with excluded():
             return op(*_autocast_cast(device_type, args))
 
     lib.impl(op._schema.name.split("::")[-1], kernel, key)

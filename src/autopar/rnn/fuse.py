@@ -60,6 +60,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autopar import compat
 from autopar.rnn.cells import fused_lstm_layer
 from autopar.rnn.gru import fused_gru_layer
 
@@ -67,7 +68,7 @@ __all__ = ["fuse_cell_loops"]
 
 log = logging.getLogger(__name__)
 
-_LINEAR = (torch._C._nn.linear, F.linear)
+_LINEAR = (compat.nn_linear, F.linear)
 # Name tokens of ops that draw random numbers (torch-level functions and methods).
 _RANDOM = {
     "rand", "randn", "randint", "randperm", "random", "normal", "uniform", "bernoulli",

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from autopar import compat
+
 __all__ = ["fused_gru_layer", "gru_layer_usable"]
 
 
@@ -88,7 +90,7 @@ def _gru_layer(
     w_hh_cm = w_hh.t().contiguous().t()  # column-major: the fast per-step GEMM (module doc)
     params = (w_ih, w_hh_cm) if b_ih is None else (w_ih, w_hh_cm, b_ih, b_hh)
     with torch.no_grad():  # args: has_biases, layers, dropout, train, bidirectional, batch_first
-        out, h_n = torch._VF.gru(xs, h0.unsqueeze(0), params, b_ih is not None, 1, 0.0, False,
+        out, h_n = compat.vf_gru(xs, h0.unsqueeze(0), params, b_ih is not None, 1, 0.0, False,
                                  False, False)  # fmt: skip
     return (out.flip(0) if reverse else out), h_n[0].clone()
 

@@ -24,7 +24,7 @@ Choice (per module input shape; :mod:`autopar.rnn.choice`): each form is timed a
 call of a shape and a list-scheduling model of the pieces predicts one and two streams;
 another form must beat ``fused`` by 25%. Choices are cached in memory per shape key and
 thread count and logged on the ``"autopar"`` logger. Dynamo traces the choice as a constant
-(``torch._dynamo.assume_constant_result``), so the timing runs once, outside the graph.
+(``compat.assume_constant_result``), so the timing runs once, outside the graph.
 Override: ``rewrite_rnns(model, rnn_form="fused")`` or env ``AUTOPAR_RNN_FORM`` (read when
 the context is entered): ``unrolled``, ``fused``, ``chunked`` or ``chunked:<k>``.
 
@@ -59,6 +59,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from autopar import compat
 from autopar.rnn.cells import RNN_FORMS, mkldnn_lstm_usable
 from autopar.rnn.choice import (
     RNNSpec,
@@ -107,7 +108,7 @@ def clear_choices() -> None:
 # --------------------------------------------------------------------------- the choice
 
 
-@torch._dynamo.assume_constant_result
+@compat.assume_constant_result
 def _chosen_form(key: tuple, override: str | None) -> tuple[str, int]:
     """The form for one shape key (Dynamo runs this at trace time and bakes in the result)."""
     if override:
@@ -162,12 +163,12 @@ def cudnn_form(input) -> bool:
 # ops (torch/_decomp/decompositions.py: lstm_impl, gru_impl), which would lose cuDNN. So the
 # module's own forward runs eagerly: a graph break around one fused cuDNN call (forward and
 # backward), the same kernels and results as eager nn.LSTM / nn.GRU.
-@torch._dynamo.disable
+@compat.dynamo_disable
 def _cudnn_lstm(module: nn.LSTM, input, hx):
     return nn.LSTM.forward(module, input, hx)  # the class's forward, not the instance patch
 
 
-@torch._dynamo.disable
+@compat.dynamo_disable
 def _cudnn_gru(module: nn.GRU, input, hx):
     return nn.GRU.forward(module, input, hx)
 

@@ -15,10 +15,10 @@ import os
 import types
 from collections.abc import Iterator
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autopar import compat
 from autopar.errors import CaptureError
 from autopar.rnn import layers as rnn_layers
 from autopar.rnn.cells import _gru_pointwise, _lstm_pointwise
@@ -131,7 +131,7 @@ def rewrite_rnns(model: nn.Module, *, rnn_form: str | None = None) -> Iterator[l
     # Dynamo refuses to trace nn.LSTM/GRU/RNN modules unless allow_rnn is set (their eager
     # forward calls _VF.lstm, which AOTAutograd cannot handle); the rewritten forward is
     # plain traceable Python, so allow it while the rewrite is active.
-    with torch._dynamo.config.patch(allow_rnn=True):
+    with compat.dynamo_config().patch(allow_rnn=True):
         try:
             for name, module in model.named_modules():
                 fn = _replacement(module)

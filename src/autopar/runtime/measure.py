@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar import compat
 from autopar.capture.analysis import buffer_analysis
 
 
@@ -56,7 +57,7 @@ class SideEffectGuard:
 
 def output_meta(out) -> list:
     """(shape, dtype, device) of every tensor a graph call returned, in order."""
-    leaves = torch.utils._pytree.tree_leaves(out)
+    leaves = compat.tree_leaves(out)
     return [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
             for t in leaves]  # fmt: skip
 

@@ -49,22 +49,47 @@ def emitter(options, device: str = "cpu") -> str:
     return "python"
 
 
-def graph_device(table) -> str:
-    """The device of a profiled graph: its first operator's that names one, else ``cpu``."""
-    devices = [d for d in getattr(table, "device", ()) if isinstance(d, str) and d]
-    return devices[0] if devices else "cpu"
+def graph_device(table, gm=None) -> str:
+    """The device of a profiled graph: the CUDA device most of its rows name when any row
+    names one, else ``cpu``. A CUDA graph may hold CPU values (an index tensor, a lifted
+    constant, a scalar input) and even start with one; its first row must not make it a
+    CPU graph, which would give it the interpreter's CPU streams. With ``gm`` (the graph),
+    its traced values count too: a table that lost its devices cannot make a graph with
+    CUDA values a CPU graph.
+
+    Example::
+
+        >>> import pandas as pd
+        >>> graph_device(pd.DataFrame({"device": ["cpu", "cuda:0", "cuda:0", ""]}))
+        'cuda:0'
+    """
+    from collections import Counter
+
+    devices = Counter(d for d in getattr(table, "device", ()) if isinstance(d, str) and d)
+    if gm is not None:
+        from autopar.codegen.python import traced_devices
+
+        devices.update(traced_devices(gm))
+    cuda = [d for d, _ in devices.most_common() if d.startswith("cuda")]
+    if cuda:
+        return "cuda:0" if cuda[0] == "cuda" else cuda[0]
+    return "cpu"
 
 
-def make_plans(table, options, store, tag: str, emitter_name: str):
-    """The plan of one graph's profile for the emitter ``emitter_name``."""
+def make_plans(table, options, store, tag: str, emitter_name: str, device: str | None = None):
+    """The plan of one graph's profile for the emitter ``emitter_name``, on ``device``
+    (default: :func:`graph_device` of the table)."""
     from autopar.codegen.native import planning_machine, planning_streams
     from autopar.planning.partition import default_machine, make_plan
 
     budget = getattr(options, "memory_budget", None)
     if emitter_name != "native":
+        # The machine of the device the emitter was chosen for (graph_device), so that the
+        # planner's streams are on the graph's device: a CUDA graph gets CUDA streams.
         return make_plan(
             table, streams=options.streams, policy=options.policy, memory_budget=budget,
             graph_id=tag, store=store,
+            machine=default_machine(store, device or graph_device(table)),
         )  # fmt: skip
     machine = default_machine(store, "cpu")
     serial = make_plan(table, policy="serial", memory_budget=budget, graph_id=tag,
@@ -84,9 +109,10 @@ def plan_and_generate(record, table, options, store, provenance: dict):
     adaptive re-planner calls it from a background thread). Returns ``(plan, program)``."""
     from autopar.codegen.emitters import generate
 
-    name = emitter(options, graph_device(table))
+    device = graph_device(table, record.gm)
+    name = emitter(options, device)
     t1 = time.perf_counter()
-    plan = make_plans(table, options, store, record.tag, name)
+    plan = make_plans(table, options, store, record.tag, name, device)
     t2 = time.perf_counter()
     program = generate(record.gm, plan, record.tag, provenance=provenance, emitter=name)
     record.advance("plan", t2 - t1, plan.policy)

@@ -18,10 +18,8 @@ backward -> optimizer.step``. The run of one model has three phases:
    contender, in a rotating order reversed every other round (ABBA), so a slow phase of
    the machine hits all of them alike and no contender always runs right after the same
    one. ``--block N`` runs N consecutive steps of each contender per round instead and
-   times all but the first (which inherits the previous contender's caches): a warm steady
-   state, as in a user's loop. Not the default: the cost model's context term
-   (``planning.costmodel.context_s``) is calibrated on one step per round, and with blocks
-   of 4 the planned programs ran 20-60% faster than predicted (2026-11-30).
+   times all but the first (which inherits the previous contender's caches). Not the
+   default: the cost model's context term is calibrated on one step per round.
    Medians, and ratios vs eager and vs the best of eager and ``torch.compile`` with a 90%
    bootstrap interval over the rounds (``tools.bench_stats``).
 
@@ -65,6 +63,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar import compat
 from autopar.planning.policies import SINGLE_DEVICE_POLICY_NAMES
 from autopar.tools.args import add_store_argument, positive_int
 from autopar.tools.bench_models import BENCH_MODELS, BenchModel, choose_models, make_loss
@@ -100,9 +99,7 @@ PROBES = ("autopar", "autopar-plans", BACKEND)
 QUICK = {"models": ["deep_mlp"], "steps": 6, "warmup": 1, "settle_steps": 25, "settle_s": 60.0,
          "block": 1}
 #: 240 timed steps: identical ``torch.compile`` copies of one model, timed in rotation in one
-#: process, differed by up to 1.3-2.2% in median step (Transformer) and 0.5-1.6% (HF BERT)
-#: over 240 rounds (2026-12-02, 4 copies, 2 runs each); 60 rounds leave about twice that,
-#: as much as the gaps the bench is read for. The rounds cost seconds; the compiles minutes.
+#: process, differed by up to 2.2% in median step over 240 rounds, and twice that over 60.
 #: Settling is bounded by time as well as steps: a contender built late races again.
 DEFAULTS = {"steps": 240, "warmup": 3, "settle_steps": 100000, "settle_s": 300.0, "block": 1}
 #: eager's interquartile range above this % of its median: a neighbour disturbed the run.
@@ -148,16 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "example_inputs), e.g. my_model.py:make; ends with whether autopar is worth it on it",
     )  # fmt: skip
     parser.add_argument(
-        "--first-minute",
-        action="store_true",
-        help="time to train instead: steps each contender does in its first --seconds from "
-        "the first call, one fresh process each, with a cold and then a warm Inductor cache "
-        "and profile store (autopar.tools.first_minute)",
-    )
-    parser.add_argument(
-        "--seconds", type=float, default=60.0,
-        help="the window of --first-minute (default 60)",
+        "--first-minute", action="store_true",
+        help="time to train instead: steps in the first --seconds from the first call, one "
+        "fresh process per contender, cold then warm caches (autopar.tools.first_minute)",
     )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=60.0, help="--first-minute's window")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -533,7 +525,7 @@ def run_model(name: str, args, default_threads: int) -> dict[str, Any]:
         res["wall_s"] = time.perf_counter() - t0
         res["machine_before"] = before
         res["machine_after"] = machine_state(default_threads)
-        torch._dynamo.reset()  # drop this model's compiled graphs before the next run
+        compat.dynamo_reset()  # drop this model's compiled graphs before the next run
         if attempt:
             shutil.rmtree(run_args.store, ignore_errors=True)
         why = noisy(res)
@@ -550,19 +542,9 @@ def main(args) -> int:
     """Run the benchmark described by ``args`` (from ``add_arguments``); 0 on success."""
     args = resolve_args(args)
     if args.first_minute:
-        from autopar.tools.first_minute import first_minute, format_first_minute
+        from autopar.tools.first_minute import main as first_minute_main
 
-        print(f"autopar bench --first-minute: {', '.join(args.models)}, {args.seconds:.0f} s "
-              "windows, cold then warm caches, one fresh process per run", flush=True)  # fmt: skip
-        models = [args.model] if getattr(args, "model", None) else args.models  # as given
-        results = first_minute(models, args.seconds, args.seed,
-                               echo=lambda line: print(line, flush=True))  # fmt: skip
-        print(format_first_minute(results), flush=True)
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"first_minute": results}, f, indent=1)
-        return 0
+        return first_minute_main(args)
     default_threads = torch.get_num_threads()
     names = ", ".join([*(c for c in CONTENDERS if not (c == "torch.compile" and args.no_inductor)),
                        *([BACKEND] if args.backend else [])])  # fmt: skip

@@ -464,62 +464,81 @@ def _cell(contenders: dict[str, Any], name: str, key: str, spec: str, unit: str)
     return "-" if r.get(key) is None else format(r[key], spec) + unit
 
 
-def readme_table(doc: dict[str, Any], source: str) -> str:
-    """The README's results section (markdown) from a bench JSON document (``doc``, as
-    ``autopar bench --out`` writes it; ``source`` is its path, quoted in the text). Each
-    row says when it was measured, on what, and the load average before / after its model.
+def readme_table(doc: dict[str, Any], source: str, fm: list | None = None) -> str:
+    """The README's results table: per model, eager's step, the speedups of ``torch.compile``
+    and autopar, autopar against the best peer with its interval, the first steps, when
+    autopar settled, its verdict; with ``fm`` (``autopar bench --first-minute`` results),
+    autopar's steps in the first minute over the best peer's, cold and warm.
 
     Example::
 
-        >>> doc = json.load(open("results/bench-full/bench.json"))      # doctest: +SKIP
-        >>> print(readme_table(doc, "results/bench-full/bench.json"))   # doctest: +SKIP
+        >>> doc = json.load(open("results/bench.json"))                 # doctest: +SKIP
+        >>> print(readme_table(doc, "results/bench.json"))              # doctest: +SKIP
     """
     m = doc["meta"]
-    derived = not all(r.get("time") for r in doc["results"])
     timed = how_timed(m.get("steps", "?"), m.get("warmup", "?"), m.get("block", 1))
+    loads = [(res.get("machine_before") or {}).get("load1") for res in doc["results"]]
+    loads = [x for x in loads if x is not None]
     intro = (
         f"Training step (zero_grad + forward + loss + backward + {m.get('optimizer', '?').upper()} "
-        f"step), median of {timed}"
-        f"; ratio = eager time / contender time (> 1 is faster). Measured by `autopar "
-        f"bench` on {_machine(m)}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}, "
+        f"step), median of {timed}; ratio = eager time / contender time (> 1 is faster). "
+        f"Measured by `autopar bench` on {_machine(m)}, torch {m.get('torch', '?')}, "
         f"{m.get('intra_op_threads', '?')} intra-op threads, Inductor cache "
-        f"{m.get('inductor_cache', '?')}; table generated from `{source}` by "
-        f"`autopar bench-report {source} --readme README.md`."
-        + (" A row's time is when its model started: the run's end minus the wall times of "
-           "the models from it on." if derived else "")
+        f"{m.get('inductor_cache', '?')}, {str(m.get('time', '?'))[:10]}"
+        + (f", load average before each model {min(loads):.2f}-{max(loads):.2f}" if loads
+           else "") + f"; generated from `{source}` by `autopar bench-report`."
+        + (" First minute: steps in the first 60 s from the first call, one fresh process "
+           "per contender (`autopar bench --first-minute`), autopar's over the best of eager "
+           "and torch.compile's; cold: empty caches; warm: after a run that settled."
+           if fm else "")
     )  # fmt: skip
-    lines = [
-        textwrap.fill(intro, 92, break_on_hyphens=False, break_long_words=False),
-        "",
-        "| model | eager step | torch.compile | autopar | autopar vs best (90% CI) | 1st step: "
-        "torch.compile / autopar | executors (fw, bw) | race | measured (date, machine, load "
-        "before / after) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    machine = f"{m.get('cpu_count', '?')}-CPU {_machine(m).split(',')[0].split(' ')[-1]}"
-    for res, started in zip(doc["results"], _started(doc), strict=True):
+    first = {r["model"]: r for r in fm or ()}
+    head = ("| model | eager step | torch.compile | autopar | autopar / best (90% CI) | "
+            "first step: torch.compile / autopar | autopar settled | verdict |")
+    rule = "|---|---|---|---|---|---|---|---|"
+    if fm:
+        head, rule = head + " first minute: cold / warm |", rule + "---|"
+    lines = [textwrap.fill(intro, 92, break_on_hyphens=False, break_long_words=False), "",
+             head, rule]  # fmt: skip
+    for res in doc["results"]:
         c, a = res["contenders"], res["autopar"]
-        load = (f"{_fmt((res.get('machine_before') or {}).get('load1'), '.2f', '?')} / "
-                f"{_fmt((res.get('machine_after') or {}).get('load1'), '.2f', '?')}")  # fmt: skip
         desc = re.split(r"[:,]", res["description"])[0] + f" (`{res['model']}`)"
         desc += "*" if res.get("noisy") else ""
-        lines.append(
+        row = (
             f"| {desc} | {_cell(c, 'eager', 'median_step_ms', '.2f', ' ms')} | "
             f"{_cell(c, 'torch.compile', 'speedup_vs_eager', '.2f', 'x')} | "
             f"{_cell(c, 'autopar', 'speedup_vs_eager', '.2f', 'x')} | "
             f"{vs_best(c.get('autopar'))} | "
             f"{_cell(c, 'torch.compile', 'first_step_s', '.1f', ' s')} / "
             f"{_cell(c, 'autopar', 'first_step_s', '.1f', ' s')} | "
-            f"{', '.join(executor_name(g) for g in a.get('graphs', [])) or '-'} | "
-            f"{race_brief(a.get('race', []))} | {started}, {machine}, load {load} |"
+            f"{_fmt(a.get('final_s'), '.0f', 'no')}{' s' if a.get('final_s') else ''} | "
+            f"{race_brief(a.get('race', []))} |"
         )
+        if fm:
+            row += f" {first_minute_cell(first.get(res['model']))} |"
+        lines.append(row)
     if any(res.get("noisy") for res in doc["results"]):
         lines.append("")
         lines.append("\\* noisy: another process disturbed this model's run (see the JSON).")
     return "\n".join(lines)
 
 
-def update_readme(path: str, doc: dict[str, Any], source: str, check: bool = False) -> bool:
+def first_minute_cell(res: dict[str, Any] | None) -> str:
+    """``1.06x / 0.97x``: autopar's first-minute steps over the best peer's, cold / warm."""
+    if res is None:
+        return "-"
+    out = []
+    for phase in ("cold", "warm"):
+        runs = res.get(phase, {})
+        steps = {c: (r or {}).get("steps") for c, r in runs.items()}
+        peers = [v for c, v in steps.items() if c != "autopar" and v]
+        ap = steps.get("autopar")
+        out.append(f"{ap / max(peers):.2f}x" if ap and peers else "-")
+    return " / ".join(out)
+
+
+def update_readme(path: str, doc: dict[str, Any], source: str, check: bool = False,
+                  fm: list | None = None) -> bool:
     """Rewrite the part of the file ``path`` between :data:`README_BEGIN` and
     :data:`README_END` with :func:`readme_table`. Returns True when the text changed (with
     ``check``: the file is left as it is). Raises ``ValueError`` when a marker is missing.
@@ -535,7 +554,8 @@ def update_readme(path: str, doc: dict[str, Any], source: str, check: bool = Fal
     if begin < 0 or end < begin:
         raise ValueError(f"{path} has no section between the lines {README_BEGIN!r} and "
                          f"{README_END!r}: add them where the table belongs")  # fmt: skip
-    new = text[: begin + len(README_BEGIN)] + "\n" + readme_table(doc, source) + "\n" + text[end:]
+    table = readme_table(doc, source, fm)
+    new = text[: begin + len(README_BEGIN)] + "\n" + table + "\n" + text[end:]
     if new != text and not check:
         with open(path, "w", encoding="utf-8") as f:
             f.write(new)

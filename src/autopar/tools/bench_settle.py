@@ -92,11 +92,11 @@ def inductor_cache(args, label: str):
     if args.warm_cache:
         yield
         return
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    from autopar import compat
 
     d = tempfile.mkdtemp(prefix=f"autopar-bench-{label}-")
     try:
-        with temporary_cache_dir(d):
+        with compat.inductor_temporary_cache_dir(d):
             yield
     finally:
         shutil.rmtree(d, ignore_errors=True)

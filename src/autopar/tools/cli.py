@@ -230,10 +230,11 @@ def cmd_bench(args) -> int:
 def cmd_bench_report(args) -> int:
     from autopar.tools.bench_report import readme_table
 
+    fm = _first_minute_doc(getattr(args, "first_minute", None))
     if not args.readme:
-        print(readme_table(_bench_doc(args.json), args.json))
+        print(readme_table(_bench_doc(args.json), args.json, fm))
         return 0
-    changed = _rewrite_readme(args.json, args.readme, check=args.check)
+    changed = _rewrite_readme(args.json, args.readme, check=args.check, fm=fm)
     return 1 if args.check and changed else 0
 
 
@@ -252,12 +253,25 @@ def _bench_doc(path: str) -> dict:
     return doc
 
 
-def _rewrite_readme(json_path: str, readme: str, check: bool = False) -> bool:
+def _first_minute_doc(path: str | None) -> list | None:
+    """The ``first_minute`` results of a ``bench --first-minute --out`` JSON, or None."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["first_minute"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{path} is no `autopar bench --first-minute` JSON ({exc})") from None
+
+
+def _rewrite_readme(json_path: str, readme: str, check: bool = False, fm=None) -> bool:
     """The README's generated results section from the bench JSON; says what it did."""
     from autopar.tools.bench_report import update_readme
 
     try:
-        changed = update_readme(readme, _bench_doc(json_path), json_path, check=check)
+        changed = update_readme(readme, _bench_doc(json_path), json_path, check=check, fm=fm)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     verb = ("is out of date" if changed else "is up to date") if check else (
@@ -366,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check", action="store_true",
         help="with --readme: change nothing; exit 1 if the section is out of date",
+    )  # fmt: skip
+    p.add_argument(
+        "--first-minute", default=None, metavar="FM.json",
+        help="add the first-minute columns from what `autopar bench --first-minute --out` wrote",
     )  # fmt: skip
     p.set_defaults(func=cmd_bench_report, parser=p)
 

@@ -170,6 +170,21 @@ def format_first_minute(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def main(args) -> int:
+    """``autopar bench --first-minute`` (``args`` from ``autopar bench``'s parser)."""
+    print(f"autopar bench --first-minute: {', '.join(args.models)}, {args.seconds:.0f} s "
+          "windows, cold then warm caches, one fresh process per run", flush=True)  # fmt: skip
+    models = [args.model] if getattr(args, "model", None) else args.models  # as given
+    results = first_minute(models, args.seconds, args.seed,
+                           echo=lambda line: print(line, flush=True))  # fmt: skip
+    print(format_first_minute(results), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"first_minute": results}, f, indent=1)
+    return 0
+
+
 if __name__ == "__main__":
     name, who, secs, seed_ = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     fill_ = len(sys.argv) > 5 and sys.argv[5] == "fill"

@@ -284,7 +284,7 @@ def _entry(compiled: Any, arity: tuple[int, int] | None) -> tuple[str, int, int]
     return path, arity[0], arity[1]
 
 
-_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_saved_tensor_hooks = compat.top_saved_tensors_default_hooks
 
 
 def caller_only_state() -> str | None:
@@ -295,9 +295,9 @@ def caller_only_state() -> str | None:
     a hook must see every tensor of the whole batch, as in eager."""
     if _saved_tensor_hooks(False) is not None:
         return "saved-tensor hooks"
-    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+    if compat.len_torch_dispatch_stack() or compat.len_torch_function_stack():
         return "a dispatch or torch-function mode"
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if compat.peek_interpreter_stack() is not None:
         return "a torch.func transform"
     if torch.is_inference_mode_enabled():
         return "inference mode"

@@ -34,6 +34,8 @@ import threading
 
 import torch
 
+from autopar import compat
+
 #: The extension's sources: the stream interpreter, and the batch-split runner (``split.cpp``);
 #: and the header they share (hashed into the build's name with them)
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("interp.cpp", "split.cpp"))
@@ -90,9 +92,7 @@ def _name() -> str:
 
 
 def build_directory() -> str:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return _get_build_directory(_name(), verbose=False)
+    return compat.cpp_extension_build_directory(_name())
 
 
 def _built_library(d: str | None = None) -> str | None:
