@@ -12,12 +12,15 @@ Dynamo graph, queues the builds that can win, hands each finished contender to t
    winner, that is the verdict, with no race, and only the winner is built (here, at once:
    Inductor's cache makes it a hit). Otherwise ``eager`` and ``plan`` enter the race, and
    each executor that builds is asked whether it can run each graph and can win there
-   (``why_not``: its rules, the profile, a verdict it lost before); those that can are
-   queued (``runtime.builds``).
-3. **Later steps**: a contender whose builds have finished for every graph of the signature
-   (those it cannot run keep their captured runner) enters the race; the judge picks each
-   step's contender until its verdict. A verdict given with nothing left to build is
-   remembered for the next run; a re-plan on drift (``adapt.monitor``) races again.
+   (``why_not``: its rules, the profile, a verdict it lost before); those that can wait for
+   the first verdict, then compile in the background (``runtime.builds``) while the steps
+   run that verdict: no step the judge times runs beside a compile, which slowed the
+   planned programs' OpenMP teams by half on the 2-core box even at idle priority.
+3. **Later steps**: once every build of the signature has finished, the executors built
+   (for every graph they can run; the others keep their captured runner) race the verdict;
+   the judge picks each step's contender until its new verdict. A verdict given with
+   nothing left to build is remembered for the next run; a re-plan on drift
+   (``adapt.monitor``) races again.
 
 A build compiles in the background at idle priority (``codegen.warmup``); a graph whose
 executor was compiled here before (the decision cache says so) compiles it at once, a hit
@@ -73,6 +76,7 @@ class _Signature:
     walked: bool = False
     remembered: bool = False  # the verdict came from the decision cache
     said: str | None = None  # the verdict last told (and, when final, remembered)
+    waiting: list = field(default_factory=list)  # builds held until the first verdict
 
 
 class Runtime:
@@ -110,6 +114,10 @@ class Runtime:
             sig.said = verdict  # said, not measured: nothing to remember
         who = self.judge.choose(key, now)  # may give the verdict
         verdict = self.judge.verdict(key)
+        if sig.waiting and (verdict is not None or len(self.judge.contenders(key)) < 2):
+            for b in sig.waiting:  # the steps run the verdict while they compile
+                self.builds.add(b)
+            sig.waiting = []
         if verdict is not None and verdict != sig.said and not sig.remembered:
             sig.said = verdict
             self._event(f"steps {self.describe(key)}: {self.judge.report()[key][1]}")
@@ -172,7 +180,7 @@ class Runtime:
         """Nothing left to build or race (for ``key``, or every signature)."""
         keys = [key] if key is not None else list(self._keys)
         return not self.builds.pending(key) and all(
-            k in self._keys and self._keys[k].walked and (
+            k in self._keys and self._keys[k].walked and not self._keys[k].waiting and (
                 self.judge.verdict(k) is not None or len(self.judge.contenders(k)) < 2)
             for k in keys)  # fmt: skip
 
@@ -232,9 +240,13 @@ class Runtime:
                 cold = ex.cost_s * len(gs.graph.gm.graph.nodes)
                 here = now or name in gs.warm  # compiled here before: a cache hit, at once
                 gs.status[name] = ("compiling here (Inductor's cache holds it)" if here else
-                                   f"compiling (cold: about {cold:.0f} s of a core)")  # fmt: skip
+                                   f"compiling after the first verdict, in the background "
+                                   f"(cold: about {cold:.0f} s of a core)")  # fmt: skip
                 b = Build(gs.graph, name, key, None if here else warm, build)
-                self.builds.add(b)
+                if here or not self.builds.background:
+                    self.builds.add(b)
+                else:  # compiled after the first verdict (``step``): no race beside a compile
+                    sig.waiting.append(b)
         for b in self.builds.poll():
             self._finished(b)
         self._enter_complete(key, sig)
@@ -258,7 +270,10 @@ class Runtime:
 
     def _enter_complete(self, key, sig: _Signature) -> None:
         """Each executor whose builds have finished for every graph of ``key`` (one at least
-        built) enters ``key``'s race (or, remembered, runs)."""
+        built) enters ``key``'s race (or, remembered, runs); racing waits until no build of
+        ``key`` compiles any more, so that no step is timed beside a compile."""
+        if not sig.remembered and (sig.waiting or self.builds.pending(key)):
+            return
         for name in self.ladder:
             if not TABLE[name].builds or name in self.judge.contenders(key):
                 continue

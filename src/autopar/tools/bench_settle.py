@@ -46,16 +46,19 @@ def _graphs(cmodel) -> list[dict[str, Any]]:
 
 
 def autopar_settle(c, step: Callable[[], None], args) -> dict[str, Any]:
-    """Phase 2 for autopar: ``autopar.wait``, then autopar-only steps until settled."""
+    """Phase 2 for autopar: autopar-only steps until settled, with ``autopar.wait`` whenever
+    builds are queued (after the first verdict)."""
     import autopar.api
 
     pipeline = autopar.api._pipeline_of(c.module, "autopar_settle")
-    t0 = time.perf_counter()
-    waited = autopar.api.wait(c.module, timeout=args.wait_timeout)
-    wait_s = time.perf_counter() - t0
+    wait_s, waited = 0.0, True
     steps, t_steps = 0, time.perf_counter()
     while (not pipeline.runtime.settled() and steps < args.settle_steps and c.error is None
            and time.perf_counter() - t_steps < args.settle_s):  # fmt: skip
+        if pipeline.runtime.builds.pending():  # the builds compile: give them the machine
+            t0 = time.perf_counter()
+            waited = autopar.api.wait(c.module, timeout=args.wait_timeout) and waited
+            wait_s += time.perf_counter() - t0
         step()
         steps += 1
     settled = pipeline.runtime.settled()

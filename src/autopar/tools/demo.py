@@ -7,8 +7,8 @@ an ``nn.LSTMCell`` loop; ``towers``, a multi-tower MLP; ``bert``, a tiny random 
 BERT (needs ``transformers``). No data is downloaded.
 
 Every contender trains its own copy of the same initial weights on the same batches, one
-step each per round, in a fixed order. After the second step the demo waits for autopar's
-background Inductor compiles (``autopar.wait``; ``--no-wait`` trains through them, at idle
+step each per round, in a fixed order. The demo waits for autopar's background Inductor
+compiles once they are queued (``autopar.wait``; ``--no-wait`` trains through them, at idle
 priority). Training runs ``--steps`` steps, then goes on (up to ``--settle-s`` seconds)
 until autopar has *settled* (its judge decided which executor runs the steps, nothing left
 to build) and ``--steady-steps`` more steps ran: the steps after settling are the ones
@@ -246,8 +246,8 @@ def _train(task, contenders: list[Contender], args, watch) -> tuple[int | None, 
             if step == 0 and c.name != "eager":
                 bar.write(f"step 1: {c.name} compiled the model in its first step: "
                           f"{c.step_s[0]:.1f} s")  # fmt: skip
-        if step == 1 and not args.no_wait:  # the second step queued the builds
-            _wait_for_builds(ap.module, args, bar)
+        if not args.no_wait and ap.module._autopar_pipeline.runtime.builds.pending():
+            _wait_for_builds(ap.module, args, bar)  # queued after the first verdict
         for line in watch.look(ap.module, step, time.perf_counter() - t_first):
             bar.write(line[:160])
         if not watch.settled:
@@ -264,7 +264,7 @@ def _train(task, contenders: list[Contender], args, watch) -> tuple[int | None, 
 
 
 def _wait_for_builds(cmodel, args, bar) -> None:
-    """``autopar.wait`` after the second step, which queued the Inductor builds. Training
+    """``autopar.wait`` once the Inductor builds are queued (after the first verdict). Training
     could go on while they compile in another process at idle priority (what autopar does by
     default), but a 2-core machine whose training keeps both cores busy leaves the compile
     little CPU: the demo would end before the judge saw them."""
@@ -333,7 +333,7 @@ def main(args) -> int:
         f"most {args.settle_s:.0f} s more) and {args.steady_steps} steps after that, which are "
         f"the timed ones. autopar's Inductor executors: {'on' if inductor else 'off'}"
         + ("" if not inductor or args.no_wait else
-           "; the demo waits for their compile after step 2 (autopar.wait)") + "."
+           "; the demo waits for their compile (autopar.wait)") + "."
     )  # fmt: skip
     print(f"autopar demo --model {task.name}: " + task.about[0])
     for line in [*task.about[1:], "how    : " + how]:
