@@ -233,3 +233,21 @@ def test_the_native_path_runs_plans_steps_while_the_judge_races():
     for _ in range(4):
         cm(x).sum().backward()
     assert pipe.runtime.judge.verdict(pipe.key) is None and _direct(cm).native is not None
+
+
+def test_a_graph_settled_on_another_executor_never_runs_the_native_path():
+    """The native path runs the records' planned programs: a graph whose verdict is
+    ``inductor`` (whose program is a DirectGraph too) must run Inductor's program, not
+    the planned ones (it did, silently, before: the bench timed plan's steps as autopar's)."""
+    model, (x,) = zoo.build("mlp")
+    cm = _compile(model, executors=("plan", "inductor"), race=True, inductor=None,
+                  background=False)
+    pipe = cm._autopar_pipeline
+    for _ in range(3):
+        cm(x).sum().backward()
+    pipe.runtime.judge.settle(pipe.key, "inductor", "test")
+    for _ in range(3):
+        cm(x).sum().backward()
+    (graph,) = pipe.capture.dynamo_graphs
+    assert graph.runner is not graph.captured and graph.executor == "inductor"
+    assert getattr(graph.runner, "native", None) is None

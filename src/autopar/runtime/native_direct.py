@@ -93,7 +93,10 @@ class NativePaths:
         ``quiet(record)``: the monitor has nothing to do at its next call); take it away
         elsewhere."""
         for graph in graphs:
-            direct = graph.runner
+            # The captured runner's: the path runs the records' programs, which are plan's.
+            # A graph settled on another executor's program (an inductor DirectGraph: the
+            # same class) must never get it.
+            direct = graph.captured
             if not isinstance(direct, DirectGraph):
                 continue
             path = self._paths.get(id(direct))
