@@ -19,4 +19,4 @@ demo: setup
 test: setup-dev
 	.venv/bin/python -m pytest
 lint: setup-dev
-	.venv/bin/ruff check src tests benchmarks
+	.venv/bin/ruff check --no-cache src tests benchmarks

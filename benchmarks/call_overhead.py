@@ -10,19 +10,20 @@ Five callables per model, all with gradients on (a training forward; the output 
   sets it, so that a hook added after the first call takes effect): the cost of those guards;
 * ``autopar: Dynamo module``: autopar's own ``torch.compile``d module (its Dynamo guards and
   the graph's settled executor, with no ``Pipeline.call`` around it);
-* ``autopar: Pipeline.call``: the same through ``Pipeline.call`` (input signature, race,
-  tiers, monitor);
+* ``autopar: Pipeline.call``: the same through ``Pipeline.call`` (input signature, the
+  runtime's judge, the monitor);
 * ``autopar``: the user's call, ``cmodel(x)`` (``nn.Module.__call__`` and the compiled
   module's ``forward``).
 
-autopar trains alone until its tiers have landed and its race has a verdict (as in
+autopar trains alone until its builds have finished and its judge has a verdict (as in
 ``autopar bench``), then every round runs ``--calls`` calls of each callable in a new random
 order. The table gives each one's median per call and the median over rounds of its
 difference to ``torch.compile`` in the same round (paired: a slow moment of the machine hits
-both). The graph's executor differs between autopar and ``torch.compile`` unless the race
-chose ``joint`` (torch.compile's own pipeline): ``AUTOPAR_TIERS=joint`` offers only that one.
+both). The graph's executor differs between autopar and ``torch.compile`` unless the judge
+chose ``inductor`` (torch.compile's own pipeline): ``AUTOPAR_EXECUTORS=inductor`` offers
+only that one.
 
-Measured 2026-12-04 (AMD EPYC, 2 vCPUs, tiny HF BERT, race verdict joint, 500 rounds): hook
+Measured 2026-12-04 (AMD EPYC, 2 vCPUs, tiny HF BERT, verdict joint, 500 rounds): hook
 guards +100 us a forward, ``dynamic=False`` with the isolated cache region +22-30 us,
 ``Pipeline.call`` about +100 us (a forward of 4-6 ms leaves its code cold in the caches: on
 a small MLP it takes 25 us); rows agree to about 30 us.
@@ -30,7 +31,7 @@ a small MLP it takes 25 us); rows agree to about 30 us.
 Run::
 
     .venv/bin/python ../shared/tools/quiet-check --wait 60
-    AUTOPAR_RACE_CONFIRM_S=off .venv/bin/python benchmarks/call_overhead.py --models bert
+    AUTOPAR_EXECUTORS=inductor .venv/bin/python benchmarks/call_overhead.py --models bert
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def measure(name: str, rounds: int, calls: int, store: str, max_steps: int) -> N
 
     t_first = time.perf_counter()
     step()
-    # autopar bench's phase 2: autopar.wait, then steps until the tiers and the race settled
+    # autopar bench's phase 2: autopar.wait, then steps until the judge settled
     contender = SimpleNamespace(module=cmodel, t_first=t_first, compile_s=None, error=None)
     limits = SimpleNamespace(wait_timeout=600.0, settle_steps=max_steps,
                              settle_s=DEFAULTS["settle_s"])  # fmt: skip
@@ -111,9 +112,8 @@ def measure(name: str, rounds: int, calls: int, store: str, max_steps: int) -> N
                 fns[k]()
             times[k].append((time.perf_counter() - t0) / calls)
 
-    verdicts = [v for v, _ in pipeline.race.report().values()]
     executors = ", ".join(f"{u.tag} {u.executor}" for u in autopar.graphs(cmodel))
-    print(f"\n{name}: race verdict {verdicts}, executors {executors}, "
+    print(f"\n{name}: executors {executors}, "
           f"settled after {settle_steps} steps; {rounds} rounds x {calls} calls")  # fmt: skip
     ref = times["torch.compile"]
     print(f"  {'callable':32s} {'median us':>10s} {'vs torch.compile us':>20s}")

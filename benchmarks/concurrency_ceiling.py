@@ -15,16 +15,10 @@ ceiling of every way autopar can run independent work at once on a CPU, from the
    at 2 threads in one process, against two 1-thread processes each stepping the whole
    model (the work of two steps: what perfect tower concurrency would reach) or each half
    the batch (what a perfect batch split would reach, before summing gradients).
-4. **The towers as two compiled branches** (``--segments``; one cold Inductor compile, about
-   20 s): each graph placed branch by branch on two 1-thread streams (independent branches
-   packed by their profiled cost, what both towers' halves share on the calling thread),
-   compiled as Inductor C++-wrapper segments (``codegen.segments``), timed against the whole
-   graph compiled by Inductor and the captured graph.
-
 Run::
 
     .venv/bin/python ../shared/tools/quiet-check --wait 60
-    .venv/bin/python benchmarks/concurrency_ceiling.py [--segments]
+    .venv/bin/python benchmarks/concurrency_ceiling.py
 """
 
 from __future__ import annotations
@@ -148,114 +142,14 @@ def fork_join() -> None:
           f"at 1 thread {one:.0f} us")  # fmt: skip
 
 
-def branch_placement(gm, plan, tag: str, streams: int = 2):
-    """``plan`` with whole independent branches on streams: nodes comparable (ancestor or
-    descendant) with all but 5% of the profiled cost (views and pointwise ops at 0) stay on
-    stream 0; the rest fall into
-    connected branches, packed largest first onto the least loaded stream."""
-    from autopar.capture.backend import node_key
-    from autopar.planning.plan import Sync
-
-    comp = [n for n in gm.graph.nodes if n.op == "call_function"]
-    idx = {n: i for i, n in enumerate(comp)}
-    times = {k: c for k, _, _, c in plan.timeline}
-
-    def fused(n) -> bool:  # views and pointwise ops: Inductor fuses them into their neighbours
-        return getattr(n.target, "is_view", False) or torch.Tag.pointwise in getattr(
-            n.target, "tags", ()
-        )
-
-    cost = [0.0 if fused(n) else times.get(node_key(tag, n.name), 0.0) for n in comp]
-    anc, desc = {}, {}
-    for n in comp:
-        anc[n] = 0
-        for p in n.all_input_nodes:
-            if p in idx:
-                anc[n] |= anc[p] | 1 << idx[p]
-    for n in reversed(comp):
-        desc[n] = 0
-        for u in n.users:
-            if u in idx:
-                desc[n] |= desc[u] | 1 << idx[u]
-    full, total = (1 << len(comp)) - 1, sum(cost)
-
-    def apart(n) -> float:  # the cost of the nodes that may run at the same time as n
-        bits = full & ~(anc[n] | desc[n] | 1 << idx[n])
-        return sum(c for i, c in enumerate(cost) if bits >> i & 1)
-
-    shared = {n for n in comp if apart(n) < 0.05 * total}
-    parent = {n: n for n in comp if n not in shared}
-
-    def root(n):
-        while parent[n] is not n:
-            n = parent[n]
-        return n
-
-    for n in parent:
-        for p in n.all_input_nodes:
-            if p in parent:
-                parent[root(p)] = root(n)
-    branches: dict = {}
-    for n in parent:
-        branches.setdefault(root(n), []).append(n)
-    load, place = [0.0] * streams, dict.fromkeys(shared, 0)
-    for nodes in sorted(branches.values(), key=lambda b: -sum(cost[idx[n]] for n in b)):
-        s = load.index(min(load))
-        load[s] += sum(cost[idx[n]] for n in nodes)
-        place.update(dict.fromkeys(nodes, s))
-    key = {n: node_key(tag, n.name) for n in comp}
-    placement = dict(plan.placement)
-    placement.update({key[n]: s for n, s in place.items()})
-    syncs = tuple(Sync(key[p], key[n], place[p], place[n])
-                  for n in comp for p in n.all_input_nodes
-                  if p in place and place[p] != place[n])  # fmt: skip
-    return plan.replace(placements=tuple(sorted(placement.items())), syncs=syncs)
-
-
-def segments() -> None:
-    import autopar
-    from autopar.codegen.inductor import compile_inductor, input_meta, stand_ins
-    from autopar.codegen.segments import cut_segments
-    from autopar.profiling.store import ProfileStore
-    from autopar.runtime.segment_runner import compile_segment_tier, segment_plan
-    from autopar.tools import zoo
-
-    torch.manual_seed(0)
-    model, x = eval(MODEL, {"zoo": zoo}), torch.randn(64, 64)  # noqa: S307 - our constant
-    cm = autopar.compile(model, inductor=False, store=ProfileStore.memory())
-    for _ in range(3):
-        cm(x).sum().backward()
-    for rec in autopar.api._pipeline_of(cm, "segments").records:
-        args = [torch.randn(p.meta["val"].shape) for p in rec.gm.graph.nodes
-                if p.op == "placeholder"]  # fmt: skip
-        plan = branch_placement(rec.gm, segment_plan(rec.gm, rec.table, rec.tag), rec.tag)
-        cut = cut_segments(rec.gm, plan, rec.tag)
-        seg = compile_segment_tier(rec.gm, input_meta(args), plan, rec.tag)
-        whole = compile_inductor(rec.gm, stand_ins(input_meta(args)), tag=rec.tag)
-        fns = {"branches": seg.fn, "inductor": whole.fn, "captured": rec.gm}
-        ts: dict = {k: [] for k in fns}
-        for r in range(400):  # interleaved, ABBA
-            for k in list(fns) if r % 2 else list(fns)[::-1]:
-                t0 = time.perf_counter()
-                fns[k](*args)
-                if r >= 20:
-                    ts[k].append(time.perf_counter() - t0)
-        shape = " ".join(f"{s.stream}:{len(s.nodes)}" for s in cut.segments)
-        times = ", ".join(f"{k} {statistics.median(v) * 1e3:.3f} ms" for k, v in ts.items())
-        print(f"4. {rec.tag} as branch segments [{shape}]: {times}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="per process run (part 3)")
-    ap.add_argument("--segments", action="store_true", help="part 4 (an Inductor compile)")
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
     fork_join()
     intra_op_scaling()
     two_processes(args.seconds)
-    if args.segments:
-        segments()
     return 0
 
 

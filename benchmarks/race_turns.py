@@ -1,8 +1,8 @@
 """How should the step race interleave its contenders? One model, its eager steps and its
-compiled (autopar, tiers landed, race off) steps, timed in three patterns in one process:
+compiled (autopar, builds done, race off) steps, timed in three patterns in one process:
 
 * ``alternating``: E C E C ... (the race's rule before 2026-11-30), every step counted;
-* ``turns of 2``: E E C C ..., only the second step of each turn counted (``runtime.race.RUN``);
+* ``turns of 2``: E E C C ..., only the second step of each turn counted (``runtime.judge.RUN``);
 * ``blocks of 8``: eight steps of one, then eight of the other, every step counted: the
   steady state of a training loop, which runs the same path step after step.
 
@@ -51,7 +51,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    for _ in range(30):  # compile, land the tiers, warm both paths
+    for _ in range(30):  # compile, settle, warm both paths
         step(compiled)
         step(model)
     print("executors:", {u.tag: u.executor for u in autopar.graphs(compiled)})

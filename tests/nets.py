@@ -1,4 +1,4 @@
-"""Small models shared by the tier tests."""
+"""Small models shared by the runtime tests."""
 
 from __future__ import annotations
 

@@ -174,3 +174,22 @@ def test_the_checker_catches_dead_citations(tmp_path):
         "autopar.profiling.store.nope",
         "autopar.runtime.no_such_module",
     ]
+
+
+def _benchmark_imports(path: pathlib.Path) -> list[str]:
+    """``autopar`` names a benchmark script imports (``from m import n`` as ``m.n``), at any
+    depth of the script (imports inside functions too)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autopar"):
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.startswith("autopar")]
+    return names
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_scripts_import_what_exists(script):
+    """A benchmark left behind by a refactor fails here, not when someone runs it."""
+    missing = [n for n in _benchmark_imports(script) if not resolves(n)]
+    assert not missing, f"{script.name} imports what does not exist: {missing}"

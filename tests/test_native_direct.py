@@ -42,7 +42,7 @@ def _direct(cmodel):
 
 def _warm(cmodel, inputs, steps=8):
     """Forward and ``autograd.grad`` (no ``.grad`` written, no parameter changed) until the
-    native path is on: the backward compiles at the first backward, the tiers land after."""
+    native path is on: the backward compiles at the first backward, the builds finish after."""
     params = [p for p in cmodel.parameters() if p.requires_grad]
     for _ in range(steps):
         out = cmodel(*inputs)
@@ -195,7 +195,7 @@ def test_the_monitor_sees_every_call_and_a_swapped_program_ends_the_path():
     assert (rows["graph"] == "g0.bw").sum() >= 3
     old = direct.native
 
-    fw.runner = Boxed(fw.unit.program)  # what a landed tier or a re-plan does
+    fw.runner = Boxed(fw.unit.program)  # what a settled executor or a re-plan does
     out = cm(x)  # the next step boundary builds the path for the new runner
     assert direct.native is not old and direct.native.current()
     fw.runner = lambda a: fw.unit.program.fn(*a)  # a runner that is no native program

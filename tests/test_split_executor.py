@@ -253,7 +253,7 @@ def test_the_native_split_keeps_autograd_semantics(conv_split):
 
 
 def test_a_joint_graph_that_donates_buffers_refuses_retain_graph_as_aotautograd(conv_split):
-    """The half-batch program through autopar's DirectGraph (as the joint tier runs a
+    """The half-batch program through autopar's DirectGraph (as the inductor executor runs a
     graph): its backward writes into saved tensors, so retain_graph=True raises
     AOTAutograd's error rather than let a second backward read overwritten values."""
     program, args, _ = conv_split

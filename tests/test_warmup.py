@@ -1,5 +1,5 @@
 """The warm-up worker (``autopar.codegen.warmup``): one background process compiles the
-tiers' candidates one job after another, at ``SCHED_IDLE``; failures, cancels and a dead
+executors' builds one job after another, at ``SCHED_IDLE``; failures, cancels and a dead
 worker are reported per job, and the next job still runs; the worker runs isolated from the
 training's directory, and no job file outlives its job."""
 

@@ -28,7 +28,7 @@ executor won, autopar no longer runs those programs, so a fourth contender,
 ``autopar-plans`` (autopar with ``executors=("plan",)``: its planned programs always),
 trains alongside in phase 3; the cost model's error is its predicted forward + backward graph
 time against the graph times its monitor measured there (median over the timed steps). It is
-not a peer: it never counts as "best". With ``--no-tier`` autopar itself is that contender.
+not a peer: it never counts as "best" (with ``--no-autopar-inductor``, autopar is it).
 ``--backend`` adds ``autopar-backend``, ``torch.compile(model, backend="autopar",
 dynamic=False)`` with the same options, settled like autopar; also a probe, not a peer.
 
@@ -235,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "inductor=False (Inductor's CPU compiles take tens of seconds per model)",
     )
     parser.add_argument(
-        "--no-tier",
+        "--no-autopar-inductor",
         action="store_true",
         help="autopar without its Inductor executors (inductor=False); torch.compile still runs. "
         "Default: autopar.compile's default ladder",
@@ -297,8 +297,8 @@ def resolve_args(args) -> argparse.Namespace:
             setattr(args, name, QUICK[name] if quick else default)
     if args.warmup < 0 or args.settle_steps < 0 or args.settle_s < 0:
         raise SystemExit("autopar bench: --warmup, --settle-steps and --settle-s must be >= 0")
-    optional = {"no_tier": False, "no_background": False, "no_race": False, "no_adapt": False,
-                "backend": False, "first_minute": False, "seconds": 60.0,
+    optional = {"no_autopar_inductor": False, "no_background": False, "no_race": False,
+                "no_adapt": False, "backend": False, "first_minute": False, "seconds": 60.0,
                 "warm_cache": False, "wait_timeout": 900.0, "wait_quiet": 0.0,
                 "retries": 0}  # fmt: skip
     for name, default in optional.items():
@@ -359,7 +359,7 @@ def autopar_options(args) -> dict[str, Any]:
     opts: dict[str, Any] = {"streams": args.streams, "policy": args.policy, "store": args.store}
     if args.no_adapt:
         opts["adapt"] = False
-    if args.no_inductor or args.no_tier:
+    if args.no_inductor or args.no_autopar_inductor:
         opts["inductor"] = False
     if args.no_background:
         opts["background"] = False
@@ -375,7 +375,7 @@ def _make_contenders(model: nn.Module, args) -> list[Contender]:
     for name in CONTENDERS:
         if name == "torch.compile" and args.no_inductor:
             continue
-        plans_only = args.no_inductor or args.no_tier or args.no_adapt
+        plans_only = args.no_inductor or args.no_autopar_inductor or args.no_adapt
         if name == "autopar-plans" and plans_only:
             continue  # autopar itself runs its plans (or, without a monitor, nothing to read)
         m = copy.deepcopy(model)

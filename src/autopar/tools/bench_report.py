@@ -317,10 +317,11 @@ def write_csv(path: str, results: list[dict[str, Any]]) -> None:
 
 def ladder_of(args) -> tuple[str, ...]:
     """The executor ladder autopar compiles with under these options (``--no-inductor``,
-    ``--no-tier``, ``--no-race`` take executors off ``autopar.compile``'s default)."""
+    ``--no-autopar-inductor``, ``--no-race`` take executors off ``autopar.compile``'s
+    default)."""
     from autopar.api import resolve_ladder
 
-    no_ind = args.no_inductor or getattr(args, "no_tier", False)
+    no_ind = args.no_inductor or getattr(args, "no_autopar_inductor", False)
     return resolve_ladder(None, not getattr(args, "no_race", False), False if no_ind else None)
 
 

@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default waits after step 2: the compile gets little CPU from a busy 2-core loop)",
     )  # fmt: skip
     parser.add_argument(
-        "--no-inductor-tier", action="store_true",
+        "--no-autopar-inductor", action="store_true",
         help="compile autopar without its Inductor executors (inductor=False)",
     )  # fmt: skip
     parser.add_argument(
@@ -166,14 +166,14 @@ def resolve_args(args) -> argparse.Namespace:
 
 
 def inductor_on(args) -> bool:
-    """Whether autopar may compile with Inductor here: off by ``--no-inductor-tier``.
+    """Whether autopar may compile with Inductor here: off by ``--no-autopar-inductor``.
 
     Example::
 
-        >>> inductor_on(argparse.Namespace(no_inductor_tier=True))
+        >>> inductor_on(argparse.Namespace(no_autopar_inductor=True))
         False
     """
-    return not getattr(args, "no_inductor_tier", False)
+    return not getattr(args, "no_autopar_inductor", False)
 
 
 # -- the run ---------------------------------------------------------------------------------------

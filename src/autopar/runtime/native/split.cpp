@@ -194,7 +194,7 @@ struct Split {
 
 // A split is named by an integer in a node's saved data (compiled autograd hashes saved
 // data) and lives for the process: a node outlives the model that made it when the user
-// keeps an output, and a split is made once per compile of the split tier.
+// keeps an output, and a split is made once per compile of the split executor.
 std::mutex g_splits_mu;
 std::unordered_map<int64_t, std::shared_ptr<Split>> g_splits;
 
