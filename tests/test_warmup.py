@@ -197,3 +197,21 @@ def test_relative_directories_reach_the_worker_absolute(tmp_path, monkeypatch):
     env = warmup._compile_env()
     assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(os.getcwd(), "ext")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(os.getcwd(), "inductor")
+
+
+def test_the_worker_knows_autopar_ops_before_its_first_job():
+    """The worker imports autopar and nothing else before it unpickles a graph: every
+    ``torch.ops.autopar`` op autopar defines must exist after ``import autopar`` alone (a
+    GRU graph's warm-up failed on ``autopar.gru_layer`` and compiled cold on the training
+    thread instead: a 13 s stall)."""
+    code = (
+        "import pkgutil, importlib, torch, autopar, autopar.rnn\n"
+        "before = {n for n in dir(torch.ops.autopar)}\n"
+        "for m in pkgutil.iter_modules(autopar.rnn.__path__):\n"
+        "    importlib.import_module('autopar.rnn.' + m.name)\n"
+        "after = {n for n in dir(torch.ops.autopar)}\n"
+        "print(sorted(after - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "[]"

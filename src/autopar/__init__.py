@@ -30,6 +30,11 @@ from autopar.api import (
 from autopar.parallel.step import compile_step
 from autopar.planning.plan import Plan, Stream, Sync
 
+# torch.ops.autopar's RNN ops: a process that loads a graph holding one (the warm-up worker)
+# has them once it imported autopar
+from autopar.rnn import cells as _cells  # noqa: F401
+from autopar.rnn import gru as _gru  # noqa: F401
+
 __version__ = "0.1.0"
 
 logs.setup()  # $AUTOPAR_LOGS, and the "autopar" log in torch._logging's registry
