@@ -30,6 +30,11 @@ def _crafted_calls(marker) -> dict[str, dict]:
         "torch.hub.load": {"target": "torch.hub.load", "args": [cmd], "kwargs": {}},
         "method:__reduce_ex__": {"target": "method:__reduce_ex__", "args": [1], "kwargs": {}},
         "method:register_hook": {"target": "method:register_hook", "args": [], "kwargs": {}},
+        # aten operators that would create (or grow) a file
+        "aten.from_file.default": {"target": "aten.from_file.default",
+                                   "args": [str(marker), True, 8], "kwargs": {}},  # fmt: skip
+        "torch.from_file": {"target": "torch.from_file", "args": [str(marker), True, 8],
+                            "kwargs": {}},  # fmt: skip
         # a callable smuggled in as an argument of an allowed operator
         "_operator.add": {"target": "_operator.add",
                           "args": [{"torch_attr": "load"}, str(marker)], "kwargs": {}},

@@ -386,7 +386,8 @@ class Pipeline:
         its graph's next step) and background re-plans are ready. True when nothing is left
         pending."""
         t0 = time.monotonic()
-        done = self._runtime is None or self._runtime.builds.wait(timeout)
+        done = self._runtime is None or (self._runtime.builds.wait(timeout)
+                                         and not self._runtime.held())  # fmt: skip
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         return self.monitor.wait(left) and done
 

@@ -225,6 +225,13 @@ def restore_dynamo_meta(gm: fx.GraphModule, meta: dict) -> fx.GraphModule:
     gm.meta["dynamo_compile_id"] = meta["compile_id"]
     if meta.get("param_sources") is not None:
         gm._param_name_to_source = meta["param_sources"]
+        # Unpickling registers every tensor attribute as a buffer; Dynamo's constants
+        # (``_tensor_constant0``: GPT-2's mask value) were plain attributes, which
+        # AOTAutograd does not look up among the sources (it asserts every buffer is there)
+        for name in [b for b, _ in gm.named_buffers() if b not in meta["param_sources"]]:
+            owner, _, leaf = name.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            setattr(module, leaf, module._buffers.pop(leaf))
     places = meta.get("placeholders", {})
     for n in gm.graph.find_nodes(op="placeholder"):
         source, tensor_dict = places.get(n.name, (None, None))

@@ -14,7 +14,8 @@ directory or a CI cache, so what it names is checked against a fixed rule before
 runs (:func:`why_refused`): a ``torch.ops`` operator overload of the ``aten``, ``prims`` or
 ``autopar`` namespace; a function of ``torch`` or ``torch.nn.functional`` that is the binding
 of an aten operator of the same name; a C method of ``torch.Tensor`` of the same kind
-(``method:add``); or one of a few arithmetic functions of ``operator``. Arguments decode only
+(``method:add``); or one of a few arithmetic functions of ``operator``; never an operator
+that takes a file name (``aten.from_file``). Arguments decode only
 to tensors, numbers, strings, dtypes, devices, layouts and memory formats: no description
 can make a callable. The name the store shows (``record["target"]``) must be the name that
 runs (``record["call"]["target"]``); ``autopar.profiling.store`` refuses any other entry
@@ -102,10 +103,28 @@ OPERATOR_FUNCTIONS = frozenset({
 })  # fmt: skip
 
 
+#: String arguments through which an operator reaches the file system (``aten.from_file``'s
+#: ``filename``): a description from a store file must not create or grow a file.
+FILE_ARGUMENTS = frozenset({"filename", "file", "path"})
+
+
+def _touches_files(ops: list) -> bool:
+    """Whether any of the operator overloads ``ops`` takes a file name."""
+    return any(str(a.type) == "str" and a.name in FILE_ARGUMENTS
+               for op in ops for a in op._schema.arguments)  # fmt: skip
+
+
+def _overloads(name: str) -> list:
+    packet = getattr(torch.ops.aten, name)
+    return [getattr(packet, o) for o in packet.overloads()]
+
+
 def _aten_binding(owner: Any, name: str, kinds: tuple[type, ...]) -> Callable[..., Any] | None:
     """``owner.<name>`` when it is a C binding (of one of ``kinds``) of the aten operator of
     the same name: the functions and methods that run one operator and nothing else."""
     if name.startswith("_") or not hasattr(torch.ops.aten, name):
+        return None
+    if _touches_files(_overloads(name)):
         return None
     fn = getattr(owner, name, None)
     return fn if isinstance(fn, kinds) else None
@@ -141,6 +160,8 @@ def _resolve(target: str) -> Callable[..., Any]:
             raise NotRebuildable(f"no operator {target} in this process")
         if torch.Tag.dynamic_output_shape in op.tags:
             raise NotRebuildable(f"{target}'s cost depends on the values of its inputs")
+        if _touches_files([op]):
+            raise NotRebuildable(f"{target} takes a file name")
         return op
     builtin = (types.BuiltinFunctionType,)
     fn = None

@@ -72,12 +72,17 @@ class Builds:
         self._queue.append(build)
         self._launch()
 
-    def poll(self) -> list[Build]:
-        """A step boundary: start the next warm-up when none runs; compile here the builds
-        whose warm-up finished; return the builds compiled (or failed) since the last poll."""
+    def poll(self, key=None) -> list[Build]:
+        """A step boundary of signature ``key``: start the next warm-up when none runs;
+        compile here the builds of ``key`` whose warm-up finished (only at a step of their
+        own signature: Inductor compiles under the step's grad and autocast modes, and a
+        build finished during a ``no_grad`` evaluation step must not compile a training
+        graph without its backward); return the builds compiled (or failed) since the
+        last poll."""
         self._reap()
         self._launch()
-        ready, self._warmed = self._warmed, []
+        ready = [b for b in self._warmed if key is None or b.key == key]
+        self._warmed = [b for b in self._warmed if b not in ready]
         for b in ready:
             self._compile(b)
         new, self._new = self._new, []
@@ -104,8 +109,8 @@ class Builds:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            try:
-                b.job.wait(left if left is None else min(left, WARMUP_LIMIT_S))
+            try:  # at most the limit at a time: _reap stops a hung compile
+                b.job.wait(WARMUP_LIMIT_S if left is None else min(left, WARMUP_LIMIT_S))
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
                 pass
             self._reap()

@@ -75,7 +75,8 @@ class _Signature:
     graphs: list[GraphState] = field(default_factory=list)
     walked: bool = False
     remembered: bool = False  # the verdict came from the decision cache
-    said: str | None = None  # the verdict last told (and, when final, remembered)
+    said: str | None = None  # the verdict last told
+    stored: bool = False  # its final verdict is in the decision cache
     waiting: list = field(default_factory=list)  # builds held until the first verdict
 
 
@@ -93,11 +94,16 @@ class Runtime:
         self.events: list[str] = []  # one line per build and verdict
         self._graphs: dict[int, GraphState] = {}
         self._keys: dict[object, _Signature] = {}
+        self._last_key: object = None  # the signature of the step now running
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, key, now: float) -> str:
         """A step of signature ``key`` starts ``now``: what runs it (an executor's name)."""
-        for b in self.builds.poll():
+        if self._last_key is not None and self._last_key != key:
+            self.judge.dirty(self._last_key)  # its open step holds this one: not its time
+        self._last_key = key
+        compiled = self.builds.poll(key)
+        for b in compiled:
             self._finished(b)
         sig = self._keys.get(key)
         if sig is None:  # its first step: capture (and the graphs' first calls)
@@ -111,8 +117,10 @@ class Runtime:
         if verdict is None and len(alone) == 1 and sig.walked and not self.builds.pending(key):
             verdict = alone[0]  # nothing to race it against, nothing left to build
             self.judge.settle(key, verdict, f"{verdict}: the only executor that can run it")
-            sig.said = verdict  # said, not measured: nothing to remember
+            sig.said, sig.stored = verdict, True  # said, not measured: nothing to remember
         who = self.judge.choose(key, now)  # may give the verdict
+        if compiled:  # this step began with a compile here: not the executor's time
+            self.judge.dirty(key)
         verdict = self.judge.verdict(key)
         if sig.waiting and (verdict is not None or len(self.judge.contenders(key)) < 2):
             for b in sig.waiting:  # the steps run the verdict while they compile
@@ -121,11 +129,17 @@ class Runtime:
         if verdict is not None and verdict != sig.said and not sig.remembered:
             sig.said = verdict
             self._event(f"steps {self.describe(key)}: {self.judge.report()[key][1]}")
-            if not self.builds.pending(key):  # final: every contender raced
-                medians = self.judge.medians(key)
-                for gs in sig.graphs:
-                    self.decisions.put(gs.decision_key, verdict, medians)
+        if (verdict is not None and not sig.stored and not sig.remembered
+                and not sig.waiting and not self.builds.pending(key)):  # final: all raced
+            sig.stored = True
+            medians = self.judge.medians(key)
+            for gs in sig.graphs:
+                self.decisions.put(gs.decision_key, verdict, medians)
         return who or "plan"
+
+    def held(self) -> int:
+        """Builds held until their signature's first verdict (not queued yet)."""
+        return sum(len(sig.waiting) for sig in self._keys.values())
 
     def reopen(self, group: int, why: str):
         """Dynamo graph ``group``'s program changed under its verdict (the monitor re-planned
@@ -134,13 +148,13 @@ class Runtime:
         if gs is None or self.judge.verdict(gs.key) is None:
             return None
         self.judge.reopen(gs.key, why)
-        self._keys[gs.key].said = None
+        self._keys[gs.key].said, self._keys[gs.key].stored = None, False
         self._event(f"steps {self.describe(gs.key)}: racing again: {why}")
         return gs.key
 
     def graph_seen(self, graph, args: list, key) -> None:
         """The first call of Dynamo graph ``graph`` (in a step of signature ``key``)."""
-        dkey = graph_key(graph.gm, args, self.ladder)
+        dkey = graph_key(graph.gm, args, self.ladder, key)
         rec = self.decisions.get(dkey) or {}
         gs = GraphState(graph, key, input_meta(args), roles(args), dkey, rec.get("winner"),
                         frozenset(rec.get("built", ())))  # fmt: skip
@@ -175,6 +189,8 @@ class Runtime:
             gs.status[name] = f"left the race: its first call {why}"
             self.judge.remove(gs.key, name, why)
         self._event(f"{graph.tag}: {name} left the race: its first call {why}")
+        if gs is not None:
+            self._unremember(gs.key, name)
 
     def settled(self, key=None) -> bool:
         """Nothing left to build or race (for ``key``, or every signature)."""
@@ -235,6 +251,9 @@ class Runtime:
                        else _why_not(ex, gs.graph, args, records, profile))  # fmt: skip
                 if why is not None:
                     gs.status[name] = f"not offered: {why}"
+                    if only is not None:  # the remembered winner cannot run here now
+                        self._unremember(key, name)
+                        return
                     continue
                 warm, build = ex.parts(gs.graph, args, profile)
                 cold = ex.cost_s * len(gs.graph.gm.graph.nodes)
@@ -247,7 +266,7 @@ class Runtime:
                     self.builds.add(b)
                 else:  # compiled after the first verdict (``step``): no race beside a compile
                     sig.waiting.append(b)
-        for b in self.builds.poll():
+        for b in self.builds.poll(key):
             self._finished(b)
         self._enter_complete(key, sig)
 
@@ -259,6 +278,7 @@ class Runtime:
         if b.error is not None:
             gs.status[b.name] = f"failed: {b.error}"
             self._event(f"{b.graph.tag}: {b.name} could not be built ({b.error})")
+            self._unremember(b.key, b.name)
         else:
             gs.programs[b.name] = b.program
             gs.status[b.name] = f"built (compiled here in {b.seconds:.1f} s)"
@@ -289,6 +309,20 @@ class Runtime:
                 for gs in sig.graphs:
                     if name in gs.programs:
                         gs.status[name] = gs.status[name] + "; racing"
+
+    def _unremember(self, key, name: str) -> None:
+        """The remembered winner ``name`` of ``key`` cannot run here now (not offered, not
+        built, or its first call failed): forget it, and walk the whole ladder at the next
+        step (``plan`` then runs its graphs as captured: they were not profiled)."""
+        sig = self._keys.get(key)
+        if sig is None or not sig.remembered:
+            return
+        sig.remembered, sig.walked, sig.said = False, False, None
+        for gs in sig.graphs:
+            gs.remembered, gs.status = None, {}
+        self.judge.forget(key)
+        self._event(f"steps {self.describe(key)}: the remembered winner {name} cannot run "
+                    "here now; racing the ladder")  # fmt: skip
 
     def _event(self, line: str) -> None:
         self.events.append(line)

@@ -33,14 +33,16 @@ FORMAT = "autopar-decisions"
 VERSION = 1
 
 
-def graph_key(gm, args: list, ladder: tuple[str, ...]) -> str:
+def graph_key(gm, args: list, ladder: tuple[str, ...], signature: object = None) -> str:
     """What a verdict depends on besides the machine: the Dynamo graph's code, each input's
-    shape, stride, dtype, device and ``requires_grad``, and the ladder."""
+    shape, stride, dtype, device and ``requires_grad``, the ladder, and the step's
+    ``signature`` (``adapt.shapes.input_key``: train or eval, grad mode, autocast, threads:
+    an evaluation step under ``no_grad`` can trace the same graph code as training)."""
     import torch
 
     metas = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), str(a.device), a.requires_grad)
              if isinstance(a, torch.Tensor) else repr(a) for a in args]  # fmt: skip
-    text = repr((gm.code, metas, ladder))
+    text = repr((gm.code, metas, ladder, signature))
     return hashlib.sha1(text.encode()).hexdigest()[:20]
 
 
@@ -87,7 +89,11 @@ class Decisions:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             with store_lock(self.path):
-                merged = {**self._read(), key: rec}
+                merged = self._read()
+                disk = merged.get(key, {})  # another process may have written key since
+                built_all = sorted({*disk.get("built", []), *rec.get("built", [])})
+                rec = {**(disk if winner is None else rec), "built": built_all}
+                merged[key] = rec
                 write_atomically(self.path, json.dumps(
                     {"format": FORMAT, "version": VERSION, "decisions": merged}, indent=1))
             self._entries.update(merged)

@@ -141,6 +141,12 @@ class Judge:
                 race.contenders.append(name)
             race.verdict, race.reason = name, reason
 
+    def forget(self, key) -> None:
+        """Drop ``key``'s race and verdict (its remembered winner cannot run): it starts
+        again from its next contender."""
+        with self._lock:
+            self._races.pop(key, None)
+
     def reopen(self, key, why: str) -> None:
         """The verdict of ``key`` no longer holds (sustained drift): race every contender
         again."""

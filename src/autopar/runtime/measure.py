@@ -56,10 +56,11 @@ class SideEffectGuard:
 
 
 def output_meta(out) -> list:
-    """(shape, dtype, device) of every tensor a graph call returned, in order."""
+    """(shape, dtype, device, requires_grad) of every tensor a graph call returned, in
+    order: a program compiled without its backward returns outputs that need no grad."""
     leaves = compat.tree_leaves(out)
-    return [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
-            for t in leaves]  # fmt: skip
+    return [(tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor)
+            else type(t) for t in leaves]  # fmt: skip
 
 
 def output_mismatch(out, expected: list | None) -> str | None:
