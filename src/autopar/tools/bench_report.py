@@ -436,26 +436,6 @@ def _machine(m: dict[str, Any]) -> str:
     return f"{plat.split('-')[0]} {arch}".strip() + f", {m.get('cpu_count', '?')} CPUs"
 
 
-def _started(doc: dict[str, Any]) -> list[str]:
-    """When each model's run started, ``YYYY-MM-DD HH:MM``: its own ``time`` field when the
-    bench wrote one, else the run's end time (``meta.time``) minus the wall times of it and
-    the models after it (the bench runs models one after another)."""
-    results = doc["results"]
-    try:
-        end = time.mktime(time.strptime(doc["meta"]["time"], "%Y-%m-%d %H:%M:%S"))
-    except (KeyError, ValueError):
-        return [str(r.get("time", "?"))[:16] for r in results]
-    out, t = [], end
-    for r in reversed(results):
-        t -= float(r.get("wall_s") or 0.0)
-        out.append(
-            str(r["time"])[:16]
-            if r.get("time")
-            else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
-        )
-    return out[::-1]
-
-
 def _cell(contenders: dict[str, Any], name: str, key: str, spec: str, unit: str) -> str:
     r = contenders.get(name)
     if r is None:
