@@ -73,25 +73,30 @@ def test_a_final_verdict_equal_to_the_first_is_remembered(monkeypatch):
     assert rt.decisions.get(rt.graph_state(g).decision_key)["winner"] == "plan"
 
 
-def test_steps_of_another_signature_do_not_count_as_this_ones():
+def test_signatures_that_take_turns_decide_and_a_capture_does_not_count():
+    """Steps of two signatures that alternate (a loss under ``no_grad`` beside a training
+    forward) hold each other's steps alike for every contender: both still decide. A new
+    signature's first step (its capture) inside another's open step voids that sample."""
     rt = Runtime(("eager", "plan"), True, Decisions(None))
     g, x, clock = _Graph(), torch.randn(4), [0.0]
     rt.step("a", 0.0)
     rt.graph_seen(g, [x], "a")
-    for _ in range(100):  # every step of a holds a step of b: none of them is a's time
+    _steps(rt, "a", {"eager": 2.0, "plan": 1.0}, 3, clock)
+    rt.step("c", clock[0])  # c's first step: a capture
+    assert rt.judge._races["a"].dirty
+    for _ in range(100):
         _steps(rt, "a", {"eager": 2.0, "plan": 1.0}, 1, clock)
         _steps(rt, "b", {}, 1, clock)
-    assert rt.judge.verdict("a") is None
-    _steps(rt, "a", {"eager": 2.0, "plan": 1.0}, 100, clock)
     assert rt.judge.verdict("a") == "plan"
 
 
 @pytest.mark.parametrize("how", ["not offered", "failed"])
 def test_a_remembered_winner_that_cannot_run_here_races_the_ladder(monkeypatch, how):
     ex = _fake_inductor(why="not today" if how == "not offered" else None)
+    builds = []
     if how == "failed":
         ex = Executor("inductor", "fake", lambda *a: None,
-                      lambda *a: (None, lambda: 1 / 0))  # fmt: skip
+                      lambda *a: (None, lambda: builds.append(1) / 0))  # fmt: skip
     monkeypatch.setitem(TABLE, "inductor", ex)
     ladder = ("eager", "plan", "inductor")
     g, x = _Graph(), torch.randn(4)
@@ -104,6 +109,7 @@ def test_a_remembered_winner_that_cannot_run_here_races_the_ladder(monkeypatch, 
     _steps(rt, "k", {"eager": 2.0, "plan": 1.0}, 100, [1.0])
     assert any("cannot run here now" in e for e in rt.events)
     assert rt.judge.verdict("k") == "plan"
+    assert len(builds) == (1 if how == "failed" else 0)  # not compiled again
 
 
 def test_graph_key_tells_a_training_step_from_an_evaluation_one():

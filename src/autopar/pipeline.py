@@ -184,8 +184,10 @@ class Pipeline:
             gs = rt.graph_state(graph)
             if gs is None or gs.key != key or id(graph) in self._fast:
                 continue
-            self._fast.add(id(graph))
             prog = gs.programs.get(verdict)
+            if prog is not None and verdict not in graph.checked:
+                continue  # its first call is checked first (``_first_program_call``)
+            self._fast.add(id(graph))
             with graph.lock:
                 graph.runner = prog.fn if prog is not None else graph.captured
                 graph.executor = verdict if prog is not None else "per-graph"
@@ -384,10 +386,10 @@ class Pipeline:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until background compiles are done (each is compiled here and races from
         its graph's next step) and background re-plans are ready. True when nothing is left
-        pending."""
+        pending. Builds that wait for their signature's first verdict are not queued yet:
+        the steps that give it start them."""
         t0 = time.monotonic()
-        done = self._runtime is None or (self._runtime.builds.wait(timeout)
-                                         and not self._runtime.held())  # fmt: skip
+        done = self._runtime is None or self._runtime.builds.wait(timeout)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         return self.monitor.wait(left) and done
 

@@ -121,6 +121,7 @@ class Builds:
         if self._warming is not None or not self._queue:
             return
         b = self._queue.pop(0)
+        b.started = time.perf_counter()  # the limit counts its compile, not its wait
         try:
             b.job = b.warm()
             self._warming = b

@@ -94,18 +94,17 @@ class Runtime:
         self.events: list[str] = []  # one line per build and verdict
         self._graphs: dict[int, GraphState] = {}
         self._keys: dict[object, _Signature] = {}
-        self._last_key: object = None  # the signature of the step now running
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, key, now: float) -> str:
         """A step of signature ``key`` starts ``now``: what runs it (an executor's name)."""
-        if self._last_key is not None and self._last_key != key:
-            self.judge.dirty(self._last_key)  # its open step holds this one: not its time
-        self._last_key = key
         compiled = self.builds.poll(key)
         for b in compiled:
             self._finished(b)
         sig = self._keys.get(key)
+        if sig is None or compiled:  # a capture or a compile here: the open step of every
+            for k in self._keys:  # signature holds it (steps of signatures that take turns
+                self.judge.dirty(k)  # hold each other's plain steps, alike for contenders)
         if sig is None:  # its first step: capture (and the graphs' first calls)
             self._keys[key] = _Signature()
             self.judge.dirty(key)
@@ -136,10 +135,6 @@ class Runtime:
             for gs in sig.graphs:
                 self.decisions.put(gs.decision_key, verdict, medians)
         return who or "plan"
-
-    def held(self) -> int:
-        """Builds held until their signature's first verdict (not queued yet)."""
-        return sum(len(sig.waiting) for sig in self._keys.values())
 
     def reopen(self, group: int, why: str):
         """Dynamo graph ``group``'s program changed under its verdict (the monitor re-planned
@@ -246,6 +241,8 @@ class Runtime:
                 records = self.records_of(gs.graph.group)
                 profile = [r.table for r in records]
                 args = gs.args()
+                if gs.status.get(name, "").startswith(("failed", "left", "not offered")):
+                    continue  # a remembered winner that could not run: not again
                 lost = gs.remembered is not None and gs.remembered != name
                 why = (f"lost to {gs.remembered} here before (decision cache)" if lost
                        else _why_not(ex, gs.graph, args, records, profile))  # fmt: skip
@@ -318,8 +315,9 @@ class Runtime:
         if sig is None or not sig.remembered:
             return
         sig.remembered, sig.walked, sig.said = False, False, None
-        for gs in sig.graphs:
-            gs.remembered, gs.status = None, {}
+        for gs in sig.graphs:  # what became of name stays: it is not offered again
+            gs.remembered, gs.warm = None, gs.warm - {name}
+            gs.status = {name: gs.status[name]} if name in gs.status else {}
         self.judge.forget(key)
         self._event(f"steps {self.describe(key)}: the remembered winner {name} cannot run "
                     "here now; racing the ladder")  # fmt: skip
