@@ -335,12 +335,12 @@ def simulate_boxed(sim: StreamSim, prog, args: list):
 
 
 def assert_close(a, b):
-    """Bitwise, and rightly: on CPU tensors the CUDA program runs the graph's own aten ops on
-    the calling thread at its thread count (no worker threads, no thread setting), only
-    interleaved by stream; the same kernels on the same inputs give the same bits."""
+    """Close to float rounding: on CPU tensors the CUDA program runs the graph's own aten ops
+    on the calling thread, only interleaved by stream, so a value read before its writer ran
+    (a missing wait) is garbage, far outside this tolerance. Not bitwise: two code paths."""
     for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True):
         if isinstance(x, torch.Tensor):
-            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
         else:
             assert x == y
 
