@@ -94,23 +94,23 @@ class Runtime:
         self.events: list[str] = []  # one line per build and verdict
         self._graphs: dict[int, GraphState] = {}
         self._keys: dict[object, _Signature] = {}
+        self._compiled = False  # this step compiled a build here (``step``, ``_finished``)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, key, now: float) -> str:
         """A step of signature ``key`` starts ``now``: what runs it (an executor's name)."""
-        compiled = self.builds.poll(key)
-        for b in compiled:
+        self._compiled = False  # set by _finished: a build compiled (or failed) here
+        for b in self.builds.poll(key):
             self._finished(b)
         sig = self._keys.get(key)
-        if sig is None or compiled:  # a capture or a compile here: the open step of every
-            for k in self._keys:  # signature holds it (steps of signatures that take turns
-                self.judge.dirty(k)  # hold each other's plain steps, alike for contenders)
         if sig is None:  # its first step: capture (and the graphs' first calls)
             self._keys[key] = _Signature()
-            self.judge.dirty(key)
+            self._void_open_steps()
             return "plan"
         if not sig.walked and sig.graphs:
-            self._walk(key, sig)
+            self._walk(key, sig)  # may compile here (a remembered or cached build)
+        if self._compiled:
+            self._void_open_steps()
         verdict = self.judge.verdict(key)
         alone = self.judge.contenders(key)
         if verdict is None and len(alone) == 1 and sig.walked and not self.builds.pending(key):
@@ -118,7 +118,7 @@ class Runtime:
             self.judge.settle(key, verdict, f"{verdict}: the only executor that can run it")
             sig.said, sig.stored = verdict, True  # said, not measured: nothing to remember
         who = self.judge.choose(key, now)  # may give the verdict
-        if compiled:  # this step began with a compile here: not the executor's time
+        if self._compiled:  # this step began with a compile here: not the executor's time
             self.judge.dirty(key)
         verdict = self.judge.verdict(key)
         if sig.waiting and (verdict is not None or len(self.judge.contenders(key)) < 2):
@@ -271,7 +271,7 @@ class Runtime:
         gs = self._graphs.get(id(b.graph))
         if gs is None:
             return
-        self.judge.dirty(b.key)  # this step compiled
+        self._compiled = True
         if b.error is not None:
             gs.status[b.name] = f"failed: {b.error}"
             self._event(f"{b.graph.tag}: {b.name} could not be built ({b.error})")
@@ -306,6 +306,13 @@ class Runtime:
                 for gs in sig.graphs:
                     if name in gs.programs:
                         gs.status[name] = gs.status[name] + "; racing"
+
+    def _void_open_steps(self) -> None:
+        """A capture or a compile ran here: the open step of every signature holds it, so
+        none of them counts (plain steps of signatures that take turns do count: they hold
+        each other alike for every contender)."""
+        for k in self._keys:
+            self.judge.dirty(k)
 
     def _unremember(self, key, name: str) -> None:
         """The remembered winner ``name`` of ``key`` cannot run here now (not offered, not

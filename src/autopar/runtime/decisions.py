@@ -33,7 +33,7 @@ FORMAT = "autopar-decisions"
 VERSION = 1
 
 
-def graph_key(gm, args: list, ladder: tuple[str, ...], signature: object = None) -> str:
+def graph_key(gm, args: list, ladder: tuple[str, ...], signature: object) -> str:
     """What a verdict depends on besides the machine: the Dynamo graph's code, each input's
     shape, stride, dtype, device and ``requires_grad``, the ladder, and the step's
     ``signature`` (``adapt.shapes.input_key``: train or eval, grad mode, autocast, threads:
