@@ -86,10 +86,12 @@ def compile_and_land(make_inputs, keep: dict, executor: str = "inductor"):
     return compile_fn
 
 
-def race_side_by_side(model, x, steps: int, executors=("eager", "plan", "inductor")):
+def race_side_by_side(model, x, steps: int, executors=("eager", "plan", "inductor"),
+                      verdicts: list | None = None):
     """``model`` compiled by autopar with the judge racing ``executors`` (built at once),
     trained ``steps`` steps beside its eager twin (:func:`train_side_by_side`). Returns
-    ``(cmodel, eager, pipeline, the executors that ran steps)``."""
+    ``(cmodel, eager, pipeline, the executors that ran steps)``; ``verdicts``, if given,
+    collects the judge's verdicts after every step."""
     import copy
 
     import autopar
@@ -100,5 +102,10 @@ def race_side_by_side(model, x, steps: int, executors=("eager", "plan", "inducto
                              store=ProfileStore.memory())  # fmt: skip
     pipe = cmodel._autopar_pipeline
     ran = set()
-    train_side_by_side(cmodel, eager, x, steps, lambda step: ran.add(pipe.variant))
+    def between(step):
+        ran.add(pipe.variant)
+        if verdicts is not None:
+            verdicts.extend(v for v, _ in pipe.runtime.judge.report().values() if v)
+
+    train_side_by_side(cmodel, eager, x, steps, between)
     return cmodel, eager, pipe, ran

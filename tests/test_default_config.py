@@ -22,7 +22,7 @@ from autopar.tools import zoo
 ZOO = ["mlp", "inception", "towers", "lstm_cells", "transformer", "inplace_views", "dropout",
        "graph_break", "gru"]  # fmt: skip
 #: Steps at most until the judge decides (each contender's turns, after the builds).
-SETTLE_STEPS = 200
+SETTLE_STEPS = 400
 
 
 @pytest.fixture(autouse=True)
