@@ -69,14 +69,34 @@ def test_dirty_steps_do_not_count():
     assert judge.verdict("k") is None and judge.medians("k") == {}
 
 
-def test_a_tie_goes_to_the_reference_after_the_cap_and_eager_needs_a_clear_win():
+def test_a_tie_goes_to_the_reference_after_the_cap_and_others_need_a_clear_win():
     """Within noise, the race runs to MAX_ROUNDS and then the reference (inductor, which
-    runs what torch.compile runs; else plan) keeps it; eager 0.5% faster is no clear win."""
-    for names, ref in ((("eager", "plan", "inductor"), "inductor"), (("eager", "plan"), "plan")):
-        judge = _judge(*names)
-        secs = {n: 1.0 for n in names} | {"eager": 0.995}
-        _race(judge, "k", secs, RUN * len(names) * (MAX_ROUNDS + 2), noise=0.05)
-        assert judge.verdict("k") == ref, judge.report()["k"]
+    runs what torch.compile runs; else eager) keeps it: 0.5% faster under 5% noise is no
+    clear win. The sequential test may still drop the reference by chance (with 100
+    seeded races, about a quarter), so the test counts verdicts over seeds."""
+    for names, ref, faster in ((("eager", "plan", "inductor"), "inductor", "eager"),
+                               (("eager", "plan"), "eager", "plan")):  # fmt: skip
+        wins = 0
+        for seed in range(100):
+            judge = _judge(*names)
+            secs = {n: 1.0 for n in names} | {faster: 0.995}
+            _race(judge, "k", secs, RUN * len(names) * (MAX_ROUNDS + 2), noise=0.05, seed=seed)
+            assert judge.verdict("k") in (ref, faster), judge.report()["k"]
+            wins += judge.verdict("k") == ref
+        assert wins >= 60, (names, wins)
+
+
+def test_a_slower_contender_rarely_wins_by_chance():
+    """Two equal contenders under 5% noise: the non-reference wins about 8% of 300 seeded
+    races; 2% slower, almost never."""
+    for slower, most in ((1.0, 15), (1.02, 2)):
+        won = 0
+        for seed in range(100):
+            judge = _judge("eager", "plan")
+            _race(judge, "k", {"eager": 1.0, "plan": slower}, RUN * 2 * (MAX_ROUNDS + 2),
+                  noise=0.05, seed=seed)  # fmt: skip
+            won += judge.verdict("k") == "plan"
+        assert won <= most, (slower, won)
 
 
 def test_eager_wins_where_it_is_clearly_faster():
