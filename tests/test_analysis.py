@@ -1,12 +1,11 @@
 """capture.analysis: the static write/alias/RNG analysis codegen, the pipeline and the
-profiler share (codegen.emit re-exports it)."""
+profiler share."""
 
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import autopar.codegen.emit as emit
 from autopar.capture import analysis
 
 
@@ -26,8 +25,3 @@ def test_inplace_views_and_rng():
     assert [n.name for n in gm.graph.nodes if analysis.is_rng(n)] == ["bernoulli_"]
     assert analysis.has_side_effects(gm)
     assert not analysis.has_side_effects(make_fx(lambda x: x.relu() + 1)(torch.ones(2)))
-
-
-def test_codegen_reexports_the_same_functions():
-    for name in ("RNG_NAMES", "buffer_analysis", "has_side_effects", "is_op", "is_rng"):
-        assert getattr(emit, name) is getattr(analysis, name)

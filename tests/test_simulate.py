@@ -26,7 +26,6 @@ def test_chain_on_one_stream_is_the_sum_of_costs():
     r = simulate(g, dict.fromkeys(order, 0), order, ONE, M)
     assert r.makespan == pytest.approx(6e-3)
     assert r.busy == {0: pytest.approx(6e-3)}
-    assert r.utilisation()[0] == pytest.approx(1.0)
     assert [x[0] for x in r.timeline()] == order
 
 
@@ -53,7 +52,7 @@ def test_fork_join_runs_branches_concurrently():
     place.update({"g0.fw/n3": 1, "g0.fw/n4": 1})  # second branch on stream 1
     r = simulate(g, place, order, TWO, M)
     assert r.makespan == pytest.approx(2e-3 + 2 * M.sync_cost_s)
-    assert len(r.gantt()) == 4  # zero-cost source and sink have no bar
+    assert sum(r.finish[n] > r.start[n] for n in order) == 4  # source and sink cost nothing
 
 
 def test_memory_liveness_and_views():

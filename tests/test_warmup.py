@@ -39,7 +39,7 @@ def test_jobs_share_one_worker_that_yields_the_cpu(tmp_path):
 
 
 def test_a_failed_job_is_reported_and_the_next_one_runs(tmp_path):
-    bad = spawn_warmup("autopar.codegen.inductor", str(tmp_path / "missing.pt"))
+    bad = spawn_warmup("autopar.codegen.joint", str(tmp_path / "missing.pt"))
     good = tmp_path / "good.json"
     after = spawn_warmup(THIS, str(good))
     bad.wait(timeout=300)

@@ -118,7 +118,24 @@ def explanation(pipeline) -> Explanation:
         compile_seconds=pipeline.compile_seconds,
         graph_breaks=max(0, len({u.group for u in units}) - 1),
         ladder=tuple(pipeline.ladder),
-        rungs={g.tag: rt.rungs(g) for g in graphs} if rt else {},
+        rungs={g.tag: _rungs(rt, g) for g in graphs} if rt else {},
         autograd={g.tag: g.autograd + (", native" if getattr(g.captured, "native", None) else "")
                   for g in graphs},  # fmt: skip
     )
+
+
+def _rungs(rt, graph) -> dict[str, str]:
+    """Each executor of the ladder and what became of it for ``graph``: the runtime's
+    status, with "racing" told as the verdict or a lost race once the judge decided."""
+    gs = rt.graph_state(graph)
+    if gs is None:
+        return dict.fromkeys(rt.ladder, "")
+    verdict = rt.judge.verdict(gs.key)
+    out = {}
+    for n in rt.ladder:
+        status = gs.status.get(n, "")
+        if verdict is not None and status.endswith("racing"):
+            status = status.removesuffix("racing") + ("the verdict" if n == verdict
+                                                      else "lost the race")  # fmt: skip
+        out[n] = status
+    return out

@@ -27,13 +27,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.capture.analysis import (  # noqa: F401 - re-exported for the emitters
-    RNG_NAMES,
+from autopar.capture.analysis import (
     buffer_analysis,
-    has_side_effects,
-    is_op,
     is_rng,
-    schema_args,
     write_orderings,
 )
 from autopar.capture.backend import node_key

@@ -1,8 +1,6 @@
-"""The Inductor executor: one captured aten graph compiled whole by Inductor (C++/OpenMP
-kernels on CPU, Triton on CUDA), exactly as ``torch.compile`` compiles its forward and
-backward graphs.
-
-Two facts shape this module (measured on torch 2.13, see docs/executors.md):
+"""Inductor's settings for every autopar compile and the inputs' stand-ins (what the
+``inductor`` and ``split`` executors and the warm-up worker share, so that their cache keys
+agree), and a per-graph compile of one aten graph with its stream annotations kept.
 
 * autopar's AOTAutograd graphs are traced without Inductor's decompositions, which Inductor
   refuses ("both a fallback and a decomp for same op"). :func:`prepare` re-traces the graph
@@ -10,28 +8,22 @@ Two facts shape this module (measured on torch 2.13, see docs/executors.md):
   no RNG is drawn, the caller's graph is not mutated), then runs the joint-graph passes, as
   ``torch.compile`` does before partitioning. ``fallback_random=True`` keeps dropout as
   eager's kernel, so a seed gives eager's masks and the generator moves as in eager.
-* A cold Inductor compile takes 20-40 s on a 2-core box, and compiling on a background
-  thread of the training process is unsafe (FX tracing flips process-global flags that a
-  Dynamo call on the training thread trips over; codegen restores the global RNG state).
-  So the *background* work runs in another process (:func:`start_warmup`: a job for the
-  warm-up worker, ``codegen.warmup``), which compiles the same graph and fills Inductor's on-disk
-  FX graph cache; the training process then compiles at a step boundary and hits the cache
-  (tenths of a second to a few seconds instead of tens).
+* :func:`compile_inductor` and the stream annotations (:func:`annotations`,
+  :func:`annotate`, ``codegen.inductor_streams``) are the ground of a multi-stream CUDA
+  executor that is not on the ladder yet (it needs a GPU to be measured); nothing in the
+  runtime calls them.
 
 The FX graph cache needs a ``TracingContext`` whose fake mode has a ``ShapeEnv``; every
 compile here runs under one (static shapes: autopar captures with ``dynamic=False``).
 
 Example::
 
-    >>> prog = compile_inductor(gm, args, tag="g0.fw")     # doctest: +SKIP
-    >>> out = prog.fn(*args)                               # doctest: +SKIP
+    >>> stand_ins(input_meta([torch.ones(2, 3)]))[0].shape
+    torch.Size([2, 3])
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
 import time
 from typing import Any, NamedTuple
 
@@ -39,7 +31,6 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen.emit import Program
-from autopar.codegen.warmup import load_warmup_job, spawn_warmup
 
 
 class TensorMeta(NamedTuple):
@@ -179,20 +170,6 @@ def compile_inductor(
     return Program(source, fn, None, tag, filename, notes=(f"{name}: {seconds:.1f} s",))
 
 
-# -- the background half: a separate process fills Inductor's FX graph cache -------------
-def start_warmup(gm: fx.GraphModule, example_args: list, tag: str):
-    """Queue the compile of ``gm`` for ``example_args``' shapes in the warm-up process
-    (``codegen.warmup``: low priority; the same settings, so the cache keys agree),
-    so that :func:`compile_inductor` here later hits the cache. The graph and the input
-    metadata travel in a temp file. Returns the job's handle."""
-    meta = input_meta(example_args)
-    fd, path = tempfile.mkstemp(prefix="autopar-inductor-", suffix=".pt")
-    os.close(fd)
-    job = {"gm": gm, "meta": meta, "tag": tag, "annotations": annotations(gm)}
-    torch.save(job, path)
-    return spawn_warmup("autopar.codegen.inductor", path)
-
-
 def annotations(gm: fx.GraphModule) -> dict:
     """``gm``'s stream annotations as plain data, for :func:`annotate`: per node (get_attr
     nodes aside) its name, target and ``custom`` dict, and the ``autopar.*`` entries of
@@ -249,17 +226,3 @@ def stand_ins(meta: list) -> list:
         if isinstance(m, TensorMeta) else m
         for m in meta
     ]  # fmt: skip
-
-
-def _warmup_main(path: str, parent: int | None = None) -> int:
-    job = load_warmup_job(path, parent)
-    gm = annotate(job["gm"], job.get("annotations"))
-    compile_inductor(gm, stand_ins(job["meta"]), tag=job["tag"])
-    return 0
-
-
-if __name__ == "__main__":
-    # Through the package module, not __main__: the pickled TensorMeta names that class.
-    from autopar.codegen.inductor import _warmup_main as main
-
-    sys.exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -265,17 +264,11 @@ def with_roles(args: list, kinds: list[str | None]) -> list:
     return out
 
 
-def _warmup_main(path: str, parent: int | None = None) -> int:
-    job = load_warmup_job(path, parent)
+def _warmup_main(path: str) -> int:
+    job = load_warmup_job(path)
     gm = restore_dynamo_meta(job["gm"], job["dynamo"])
     args = with_roles(stand_ins(job["meta"]), job["roles"])
     compile_joint(gm, args, tag=job["tag"], options=job.get("options"),
                   partition=job.get("partition", "min-cut"))  # fmt: skip
     return 0
 
-
-if __name__ == "__main__":
-    # Through the package module, not __main__: the pickled TensorMeta names that class.
-    from autopar.codegen.joint import _warmup_main as main
-
-    sys.exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

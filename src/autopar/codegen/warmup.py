@@ -8,8 +8,8 @@ CPU importing torch, autopar and Inductor before it compiles anything (2026-12-0
 box), and a model queues several candidates (HF BERT three: Inductor forward, backward,
 joint; the Inception model four). Why it runs at ``SCHED_IDLE``: :func:`yield_cpu`.
 
-A job is ``<module>._warmup_main(path)``: the module's own warm-up (``codegen.inductor``,
-``codegen.joint``, ``runtime.segment_runner``) on the job file its parent wrote. The job
+A job is ``<module>._warmup_main(path)``: the module's own warm-up (``codegen.joint``,
+``runtime.native_build``) on the job file its parent wrote. The job
 file is the job's: the worker deletes it when it loads it, and the parent when the job ends
 for any reason (finished, failed, cancelled, stopped at exit), so that a pickled graph
 never stays in ``$TMPDIR``.
@@ -31,7 +31,7 @@ Inductor cache directory, ``TORCHINDUCTOR_*``, ``TORCH_*``, ``TRITON_*`` variabl
 
 Example::
 
-    >>> job = spawn_warmup("autopar.codegen.inductor", path)   # doctest: +SKIP
+    >>> job = spawn_warmup("autopar.codegen.joint", path)       # doctest: +SKIP
     >>> job.wait(timeout=600); warmup_error(job)                # doctest: +SKIP
     ''
 """
@@ -113,17 +113,13 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="autopar-parent-watch").start()
 
 
-def load_warmup_job(path: str, parent: int | None = None) -> dict:
-    """A warm-up job's start: register autopar's ops, follow the parent (when started on
-    its own, ``python -m <module> <file> <pid>``), yield the CPU, and load (then delete)
+def load_warmup_job(path: str) -> dict:
+    """A warm-up job's start in the worker: register autopar's ops and load (then delete)
     the job file its parent wrote."""
     import torch
 
     import autopar  # noqa: F401 - registers autopar's custom ops before unpickling
 
-    if parent is not None:
-        exit_with_parent(parent)
-    yield_cpu()
     try:
         return torch.load(path, weights_only=False)
     finally:
@@ -376,7 +372,7 @@ def warmup_error(job: WarmupJob) -> str:
 
 
 # -- the worker's side ----------------------------------------------------------------------
-def _warmup_main(path: str, parent: int | None = None) -> int:
+def _warmup_main(path: str) -> int:
     """This module's own job: write the worker's pid, scheduling policy, session, working
     directory, ``sys.path`` and ``autopar`` package to ``<path>.out`` (JSON; not ``path``,
     the job file, which the parent deletes when the job ends). Shows which process ran a

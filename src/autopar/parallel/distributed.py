@@ -8,7 +8,7 @@ and the runners behind ``autopar.parallel.step.compile_step``.
   once, containers expanded); ``profile_layers`` times each segment (forward + backward) at
   two batch sizes with ``torch.distributed.pipelining.pipeline``'s export-based split.
 * ``plan_distributed`` predicts one step of data parallelism (compute on B/N + all-reduce of
-  the gradients + optimizer) and of pipeline parallelism (``partition.stage_partition``
+  the gradients + optimizer) and of pipeline parallelism (``policies.stage_partition``
   stage DP, then ``(M + S - 1) * (bottleneck stage + transfer + per-micro-batch overhead)``
   for the best micro-batch count M) and picks the faster.
 * The single-process multi-GPU pipeline (stages on cuda:0..n, activation copies on side
@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import AutoparError
+from autopar.profiling.signature import nbytes as tensor_bytes
+from autopar.profiling.signature import tensors
 
 log = logging.getLogger("autopar.parallel.distributed")
 
@@ -68,10 +70,6 @@ class DistEnv:
     backend: str = ""
     device: str = "cpu"
     timeout_s: float = 120.0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.world_size - 1
 
 
 def setup(timeout_s: float = 120.0) -> DistEnv:
@@ -323,26 +321,12 @@ class LayerCost:
         return c0 + c1 * batch
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    if isinstance(x, dict):
-        return [t for y in x.values() for t in _tensors(y)]
-    return []
-
-
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 def _record_in(seen: dict, i: int, _mod, args) -> None:
     seen.setdefault(i, args)
 
 
 def _record_out(outs: dict, i: int, _mod, _args, out) -> None:
-    outs.setdefault(i, _nbytes(_tensors(out)))
+    outs.setdefault(i, tensor_bytes(out))
 
 
 def _time_segment(mod: nn.Module, args: tuple, first: bool, repeats: int) -> tuple[float, int]:
@@ -378,7 +362,7 @@ def _one_run(mod, a, i, pack, times) -> None:
             out = mod(*a)
     else:
         out = mod(*a)
-    outs = [t for t in _tensors(out) if t.requires_grad]
+    outs = [t for t in tensors(out) if t.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     if i:
@@ -416,7 +400,7 @@ def profile_layers(
             for i, m in enumerate(mods):
                 t, saved_b = timed[i]
                 if len(layers) <= i:
-                    pbytes = _nbytes(list(m.parameters()))
+                    pbytes = tensor_bytes(list(m.parameters()))
                     layers.append(LayerCost(candidates[i], {}, outs[i] / b, saved_b / b, pbytes))
                 layers[i].times[b] = t
     finally:
@@ -473,9 +457,9 @@ class DistPlan:
 
 
 def _stages(costs, cuts, mem, n_stages, budget, comm) -> list[int]:
-    """Stage starts from ``partition.stage_partition``; fewer stages than asked are split
+    """Stage starts from ``policies.stage_partition``; fewer stages than asked are split
     further (the largest stage at its most balanced point) so every rank gets one."""
-    from autopar.planning.partition import stage_partition
+    from autopar.planning.policies import stage_partition
 
     starts, _ = stage_partition(
         costs,

@@ -33,19 +33,7 @@ from autopar.planning.clocks import VectorClocks
 from autopar.planning.costmodel import MachineModel, stream_layouts, wants_intra_op
 from autopar.planning.listsched import rank_order, with_rng_order
 from autopar.planning.plan import Plan, Stream, Sync
-from autopar.planning.policies import (  # noqa: F401 - re-exported: the policies' old home
-    AUTO,
-    POLICIES,
-    POLICY_NAMES,
-    SINGLE_DEVICE_POLICY_NAMES,
-    chain_cover,
-    heft,
-    nimble,
-    round_robin,
-    serial,
-    stage_partition,
-    stages,
-)
+from autopar.planning.policies import AUTO, POLICIES
 from autopar.planning.simulate import Prepared, cost_table, lower_bound, prepare, simulate
 from autopar.planning.verify import verify_plan
 

@@ -276,20 +276,8 @@ def _label_boxes(fig, axes, panels: list[TimelinePanel]) -> None:
 
 
 def plan_gantt(plan: Plan, path: str | None = None, title: str | None = None):
-    """The Gantt chart of the predicted timeline (see ``plan_figure``).
-
-    Without ``path`` returns the matplotlib ``Figure``. With ``path`` writes the image there
-    (format by extension: .png, .svg, .pdf, ...) and returns ``path``, as before, so existing
-    ``print(plan.gantt("plan.png"))`` callers keep working; ``plan_figure`` always returns
-    the figure.
-
-    Example::
-
-        >>> plan_gantt(plan, "plan.png", title="towers")     # doctest: +SKIP
-        'plan.png'
-        >>> plan_gantt(plan).axes[0].get_title(loc="left")   # doctest: +SKIP
-        'g0.fw (forward), heft: 2 streams, 103 operators, 0.860 ms'
-    """
+    """``Plan.gantt``: the figure of :func:`plan_figure`, or, given ``path``, that figure
+    written there (format by extension: .png, .svg, .pdf, ...) and ``path``."""
     fig = plan_figure(plan, title=title)
     if path is None:
         return fig

@@ -144,19 +144,6 @@ class SimResult:
         """``(node, start, finish, cost)`` in plan order (the ``Plan.timeline`` field)."""
         return tuple((n, self.start[n], self.finish[n], self.cost[n]) for n in self.order)
 
-    def gantt(self) -> list[tuple[str, int, float, float]]:
-        """``(node, stream, start, finish)`` for every node with a non-zero duration."""
-        return [
-            (n, self.placement[n], self.start[n], self.finish[n])
-            for n in self.order
-            if self.finish[n] > self.start[n]
-        ]
-
-    def utilisation(self) -> dict[int, float]:
-        """Busy fraction of each stream over the makespan."""
-        m = self.makespan or 1.0
-        return {sid: b / m for sid, b in self.busy.items()}
-
 
 def simulate(
     graph: nx.DiGraph,

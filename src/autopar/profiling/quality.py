@@ -29,7 +29,6 @@ from typing import Any
 
 CLEAN = "clean"
 PROVISIONAL = "provisional"
-QUALITIES = (CLEAN, PROVISIONAL)
 #: Two measurements of one operator disagree when one is more than this times the other.
 DISAGREE_RATIO = 1.5
 

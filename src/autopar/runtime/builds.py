@@ -170,8 +170,4 @@ def _stop(jobs: list) -> None:
             job.kill()
 
 
-@atexit.register
-def _stop_all() -> None:
-    for job in list(_LIVE):
-        if job.poll() is None:
-            job.kill()
+atexit.register(lambda: _stop(list(_LIVE)))  # warm-ups still running at exit

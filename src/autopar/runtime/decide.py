@@ -195,21 +195,6 @@ class Runtime:
                 self.judge.verdict(k) is not None or len(self.judge.contenders(k)) < 2)
             for k in keys)  # fmt: skip
 
-    def rungs(self, graph) -> dict[str, str]:
-        """Each executor of the ladder and what became of it for ``graph`` (``explain``)."""
-        gs = self._graphs.get(id(graph))
-        if gs is None:
-            return dict.fromkeys(self.ladder, "")
-        verdict = self.judge.verdict(gs.key)
-        out = {}
-        for n in self.ladder:
-            status = gs.status.get(n, "")
-            if verdict is not None and status.endswith("racing"):
-                status = status.removesuffix("racing") + ("the verdict" if n == verdict
-                                                          else "lost the race")  # fmt: skip
-            out[n] = status
-        return out
-
     # -- the ladder walk ----------------------------------------------------------------------
     def _walk(self, key, sig: _Signature) -> None:
         sig.walked = True

@@ -59,7 +59,7 @@ def start_native_build():
         return _job
 
 
-def _warmup_main(path: str, parent: int | None = None) -> int:
+def _warmup_main(path: str) -> int:
     """The worker's job: build the interpreter (torch's build lock orders it with any
     other process building it)."""
     os.unlink(path)

@@ -40,16 +40,11 @@ import torch
 import torch.nn as nn
 
 from autopar.tools.args import add_store_argument, positive_int
-from autopar.tools.demo_models import (  # noqa: F401 - re-exported: the demo's public names
+from autopar.tools.demo_models import (
     MODELS,
-    VOCAB,
-    CharLM,
     bert_available,
     build_task,
     compare_curves,
-    load_corpus,
-    make_batches,
-    resolve_sizes,
 )
 
 

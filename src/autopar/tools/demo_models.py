@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.tools import zoo
+from autopar.tools.bench_models import Logits
 
 VOCAB = 128  # charlstm: ASCII; other characters become "?"
 MODELS = ("charlstm", "towers", "bert")
@@ -291,17 +292,6 @@ def _towers(args, s: dict, seed: int) -> DemoTask:
 
 
 # -- bert ----------------------------------------------------------------------------------------
-class Logits(nn.Module):
-    """``model(input_ids=ids).logits``: the compiled module then returns one tensor."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
-
-
 def bert_available() -> bool:
     """Whether ``transformers`` imports here (``--model bert`` needs it).
 
