@@ -150,6 +150,31 @@ def test_the_warm_up_job_keeps_what_aot_autograd_reads():
     assert copy_gm.meta["dynamo_compile_id"] == gm.meta["dynamo_compile_id"]
 
 
+def test_the_warm_up_job_carries_the_graph_itself():
+    """A pickled GraphModule is traced again from its code when it is unpickled, which turns
+    what the graph computes from no input (``torch.arange``: GPT-2's positions) into a
+    constant: another graph, another cache key, a warm-up that never serves. The job carries
+    the nodes instead, and ``F.max_pool2d`` (a local function pickle cannot name) by name."""
+    import io
+
+    import torch.nn.functional as F
+
+    from autopar.codegen.joint import portable, rebuild
+
+    class Positions(nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x + torch.arange(x.shape[-1]), 2)
+
+    gm, _ = dynamo_graph(Positions(), torch.randn(1, 1, 4, 4))
+    buf = io.BytesIO()
+    torch.save(portable(gm), buf)
+    buf.seek(0)
+    back = rebuild(torch.load(buf, weights_only=False))
+    assert back.code == gm.code and "arange" in back.code
+    x = torch.randn(1, 1, 4, 4)
+    torch.testing.assert_close(back(x)[0], gm(x)[0])
+
+
 def test_the_judge_races_the_inductor_executor_and_training_stays_eager_equal():
     """The built inductor program races whole steps against the planned programs and
     eager (E E P P I I ...): every kind of step trains exactly as eager does under the same

@@ -35,12 +35,14 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -195,11 +197,107 @@ def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str,
     that :func:`compile_joint` here later hits Inductor's cache. Returns the job's handle."""
     fd, path = tempfile.mkstemp(prefix="autopar-joint-", suffix=".pt")
     os.close(fd)
-    job = {"gm": gm, "dynamo": dynamo_meta(gm), "meta": input_meta(example_args),
+    job = {"gm": portable(gm), "dynamo": dynamo_meta(gm), "meta": input_meta(example_args),
            "roles": roles(example_args), "tag": tag, "options": options,
            "partition": partition}  # fmt: skip
     torch.save(job, path)
     return spawn_warmup("autopar.codegen.joint", path)
+
+
+def portable(gm: fx.GraphModule) -> dict:
+    """``gm`` as a warm-up job carries it: its nodes as plain tuples (op, name, target,
+    arguments with :class:`_NodeRef` for nodes; no node meta, which holds fake and example
+    tensors) and the values its ``get_attr`` and ``call_module`` nodes read; :func:`rebuild`
+    makes the same GraphModule of them. A pickled GraphModule would not do: unpickling
+    re-traces its code, which turns what the graph computes from no input
+    (``torch.arange``, HF's empty cache tensors) into constants, another graph with another
+    cache key (GPT-2 tiny's warm-up never served its training process: 8.9 s compiling
+    cold at a step instead of 3.6 s from the cache)."""
+    if type(gm.graph._codegen) is not fx.graph.CodeGen:
+        raise TypeError(f"a graph with {type(gm.graph._codegen).__name__} is not sent")
+    nodes = []
+    for n in gm.graph.nodes:
+        target = _by_name(n.target) if n.op == "call_function" else n.target
+        args, kwargs = fx.node.map_aggregate(
+            (n.args, n.kwargs), lambda x: _NodeRef(x.name) if isinstance(x, fx.Node) else x)
+        nodes.append((n.op, n.name, target, tuple(args), dict(kwargs), _picklable(n.type)))
+    attrs = {n.target: _attr(gm, n.target) for n in gm.graph.nodes
+             if n.op in ("get_attr", "call_module")}  # fmt: skip
+    return {"nodes": nodes, "attrs": attrs}
+
+
+def rebuild(job: dict) -> fx.GraphModule:
+    """The GraphModule that :func:`portable` described (the same code, node names
+    included)."""
+    graph, env = fx.Graph(), {}
+    for op, name, target, args, kwargs, type_expr in job["nodes"]:
+        if isinstance(target, _Name):
+            target = target.resolve()
+        args, kwargs = fx.node.map_aggregate(
+            (args, kwargs), lambda x: env[x.name] if isinstance(x, _NodeRef) else x)
+        env[name] = graph.create_node(op, target, tuple(args), dict(kwargs), name=name,
+                                      type_expr=type_expr)  # fmt: skip
+    return fx.GraphModule(job["attrs"], graph)
+
+
+@dataclass(frozen=True)
+class _NodeRef:
+    """A node named in another node's arguments (:func:`portable`)."""
+
+    name: str
+
+
+class _Name(NamedTuple):
+    """A function that pickle cannot name by its ``__qualname__`` (``F.max_pool2d`` is a
+    local function of ``boolean_dispatch``; autopar's ``torch.ops`` operators), named by
+    its dotted path."""
+
+    path: str
+
+    def resolve(self) -> Any:
+        parts = self.path.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+            try:
+                value = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for part in parts[i:]:
+                value = getattr(value, part)
+            return value
+        raise ImportError(f"cannot import {self.path}")
+
+
+def _by_name(fn: Any) -> Any:
+    """``fn`` itself where pickle can name it, else a :class:`_Name` that resolves to it."""
+    try:
+        pickle.dumps(fn)
+        return fn
+    except Exception:  # noqa: BLE001 - pickle raises several types for this
+        pass
+    for path in (f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}",
+                 f"torch.ops.{fn}"):  # fmt: skip
+        try:
+            if _Name(path).resolve() is fn:
+                return _Name(path)
+        except (ImportError, AttributeError, ValueError):
+            pass
+    raise TypeError(f"the warm-up worker cannot be sent {fn!r}")
+
+
+def _picklable(value: Any) -> Any:
+    """``value`` if pickle takes it, else None (a node's type annotation: only shown)."""
+    try:
+        pickle.dumps(value)
+        return value
+    except Exception:  # noqa: BLE001 - pickle raises several types for this
+        return None
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    value = gm
+    for name in target.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def dynamo_meta(gm: fx.GraphModule) -> dict:
@@ -218,13 +316,13 @@ def dynamo_meta(gm: fx.GraphModule) -> dict:
 
 
 def restore_dynamo_meta(gm: fx.GraphModule, meta: dict) -> fx.GraphModule:
-    """Put :func:`dynamo_meta`'s record back on an unpickled graph (placeholders by name)."""
+    """Put :func:`dynamo_meta`'s record back on a rebuilt graph (placeholders by name)."""
     if meta.get("compile_id") is None:
         return gm  # not a Dynamo graph: nothing was there
     gm.meta["dynamo_compile_id"] = meta["compile_id"]
     if meta.get("param_sources") is not None:
         gm._param_name_to_source = meta["param_sources"]
-        # Unpickling registers every tensor attribute as a buffer; Dynamo's constants
+        # Rebuilding registers every tensor attribute as a buffer; Dynamo's constants
         # (``_tensor_constant0``: GPT-2's mask value) were plain attributes, which
         # AOTAutograd does not look up among the sources (it asserts every buffer is there)
         for name in [b for b, _ in gm.named_buffers() if b not in meta["param_sources"]]:
@@ -266,7 +364,7 @@ def with_roles(args: list, kinds: list[str | None]) -> list:
 
 def _warmup_main(path: str) -> int:
     job = load_warmup_job(path)
-    gm = restore_dynamo_meta(job["gm"], job["dynamo"])
+    gm = restore_dynamo_meta(rebuild(job["gm"]), job["dynamo"])
     args = with_roles(stand_ins(job["meta"]), job["roles"])
     compile_joint(gm, args, tag=job["tag"], options=job.get("options"),
                   partition=job.get("partition", "min-cut"))  # fmt: skip
