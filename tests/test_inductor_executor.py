@@ -154,24 +154,35 @@ def test_the_warm_up_job_carries_the_graph_itself():
     """A pickled GraphModule is traced again from its code when it is unpickled, which turns
     what the graph computes from no input (``torch.arange``: GPT-2's positions) into a
     constant: another graph, another cache key, a warm-up that never serves. The job carries
-    the nodes instead, and ``F.max_pool2d`` (a local function pickle cannot name) by name."""
+    the nodes instead, subgraphs (a checkpointed body) alike, ``F.max_pool2d`` (a local
+    function pickle cannot name) by name, and a ``memory_format`` argument (which
+    ``torch.save``'s default protocol cannot pickle)."""
     import io
 
     import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
 
-    from autopar.codegen.joint import portable, rebuild
+    from autopar.codegen.joint import PROTOCOL, portable, rebuild
 
     class Positions(nn.Module):
+        def body(self, x):
+            return x * torch.arange(x.shape[-1])
+
         def forward(self, x):
+            x = checkpoint(self.body, x.contiguous(memory_format=torch.channels_last),
+                           use_reentrant=False)  # fmt: skip
             return F.max_pool2d(x + torch.arange(x.shape[-1]), 2)
 
-    gm, _ = dynamo_graph(Positions(), torch.randn(1, 1, 4, 4))
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    gm, _ = dynamo_graph(Positions(), x)
     buf = io.BytesIO()
-    torch.save(portable(gm), buf)
+    torch.save(portable(gm), buf, pickle_protocol=PROTOCOL)
     buf.seek(0)
     back = rebuild(torch.load(buf, weights_only=False))
-    assert back.code == gm.code and "arange" in back.code
-    x = torch.randn(1, 1, 4, 4)
+    codes = {n: m.code for n, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule)}
+    assert len(codes) == 2 and all("arange" in c for c in codes.values())
+    assert {n: m.code for n, m in back.named_modules()
+            if isinstance(m, torch.fx.GraphModule)} == codes  # fmt: skip
     torch.testing.assert_close(back(x)[0], gm(x)[0])
 
 

@@ -195,12 +195,16 @@ def start_joint_warmup(gm: fx.GraphModule, example_args: list, tag: str,
     """Queue the compile of ``gm`` for ``example_args``' shapes in the warm-up process
     (``codegen.warmup``: low priority, the same settings, ``options`` and ``partition``), so
     that :func:`compile_joint` here later hits Inductor's cache. Returns the job's handle."""
-    fd, path = tempfile.mkstemp(prefix="autopar-joint-", suffix=".pt")
-    os.close(fd)
     job = {"gm": portable(gm), "dynamo": dynamo_meta(gm), "meta": input_meta(example_args),
            "roles": roles(example_args), "tag": tag, "options": options,
            "partition": partition}  # fmt: skip
-    torch.save(job, path)
+    fd, path = tempfile.mkstemp(prefix="autopar-joint-", suffix=".pt")
+    os.close(fd)
+    try:
+        torch.save(job, path, pickle_protocol=PROTOCOL)
+    except BaseException:
+        os.unlink(path)  # no partial job left in $TMPDIR
+        raise
     return spawn_warmup("autopar.codegen.joint", path)
 
 
@@ -223,6 +227,8 @@ def portable(gm: fx.GraphModule) -> dict:
         nodes.append((n.op, n.name, target, tuple(args), dict(kwargs), _picklable(n.type)))
     attrs = {n.target: _attr(gm, n.target) for n in gm.graph.nodes
              if n.op in ("get_attr", "call_module")}  # fmt: skip
+    attrs = {k: _Sub(portable(v)) if isinstance(v, fx.GraphModule) else v  # bodies of
+             for k, v in attrs.items()}  # higher-order ops (checkpoint, autograd.Function)
     return {"nodes": nodes, "attrs": attrs}
 
 
@@ -237,7 +243,20 @@ def rebuild(job: dict) -> fx.GraphModule:
             (args, kwargs), lambda x: env[x.name] if isinstance(x, _NodeRef) else x)
         env[name] = graph.create_node(op, target, tuple(args), dict(kwargs), name=name,
                                       type_expr=type_expr)  # fmt: skip
-    return fx.GraphModule(job["attrs"], graph)
+    attrs = {k: rebuild(v.job) if isinstance(v, _Sub) else v for k, v in job["attrs"].items()}
+    return fx.GraphModule(attrs, graph)
+
+
+#: The pickle protocol of a warm-up job (``torch.save``'s default, 2, cannot pickle a
+#: ``torch.memory_format``); the checks below use the same.
+PROTOCOL = 4
+
+
+@dataclass(frozen=True)
+class _Sub:
+    """A subgraph (a ``get_attr`` value that is a GraphModule), as :func:`portable` made it."""
+
+    job: dict
 
 
 @dataclass(frozen=True)
@@ -268,14 +287,18 @@ class _Name(NamedTuple):
 
 
 def _by_name(fn: Any) -> Any:
-    """``fn`` itself where pickle can name it, else a :class:`_Name` that resolves to it."""
+    """``fn`` itself where pickle gives it back (by name, not a copy: a higher-order op
+    pickles as a new instance), else a :class:`_Name` that resolves to it."""
     try:
-        pickle.dumps(fn)
-        return fn
+        if pickle.loads(pickle.dumps(fn, protocol=PROTOCOL)) is fn:
+            return fn
     except Exception:  # noqa: BLE001 - pickle raises several types for this
         pass
-    for path in (f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}",
-                 f"torch.ops.{fn}"):  # fmt: skip
+    module = str(getattr(fn, "__module__", ""))
+    paths = [f"{module}.{getattr(fn, '__name__', '')}"]
+    if module.startswith("torch._ops"):  # an operator: str() is "ns.op" or "ns.op.overload"
+        paths.append(f"torch.ops.{fn}")
+    for path in paths:
         try:
             if _Name(path).resolve() is fn:
                 return _Name(path)
@@ -287,7 +310,7 @@ def _by_name(fn: Any) -> Any:
 def _picklable(value: Any) -> Any:
     """``value`` if pickle takes it, else None (a node's type annotation: only shown)."""
     try:
-        pickle.dumps(value)
+        pickle.dumps(value, protocol=PROTOCOL)
         return value
     except Exception:  # noqa: BLE001 - pickle raises several types for this
         return None
