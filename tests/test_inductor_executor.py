@@ -186,6 +186,21 @@ def test_the_warm_up_job_carries_the_graph_itself():
     torch.testing.assert_close(back(x)[0], gm(x)[0])
 
 
+def test_a_rebuilt_graph_keeps_its_attributes_kinds():
+    """A GraphModule registers every tensor it is given as a buffer; one that the graph held
+    as a plain attribute stays one (AOTAutograd asserts that each buffer has a source)."""
+    from autopar.codegen.joint import portable, rebuild
+
+    gm = torch.fx.symbolic_trace(lambda x: x + torch.ones(2))  # a _tensor_constant buffer
+    (name,) = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    value = getattr(gm, name)
+    delattr(gm, name)
+    setattr(gm, name, value)  # now a plain attribute
+    back = rebuild(portable(gm))
+    assert name not in dict(back.named_buffers()) and torch.equal(getattr(back, name), value)
+    torch.testing.assert_close(back(torch.ones(2)), torch.full((2,), 2.0))
+
+
 def test_the_judge_races_the_inductor_executor_and_training_stays_eager_equal():
     """The built inductor program races whole steps against the planned programs and
     eager (E E P P I I ...): every kind of step trains exactly as eager does under the same

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import operator
 import os
 import pickle
 import tempfile
@@ -217,19 +218,20 @@ def portable(gm: fx.GraphModule) -> dict:
     (``torch.arange``, HF's empty cache tensors) into constants, another graph with another
     cache key (GPT-2 tiny's warm-up never served its training process: 8.9 s compiling
     cold at a step instead of 3.6 s from the cache)."""
-    if type(gm.graph._codegen) is not fx.graph.CodeGen:
-        raise TypeError(f"a graph with {type(gm.graph._codegen).__name__} is not sent")
     nodes = []
     for n in gm.graph.nodes:
         target = _by_name(n.target) if n.op == "call_function" else n.target
         args, kwargs = fx.node.map_aggregate(
             (n.args, n.kwargs), lambda x: _NodeRef(x.name) if isinstance(x, fx.Node) else x)
         nodes.append((n.op, n.name, target, tuple(args), dict(kwargs), _picklable(n.type)))
-    attrs = {n.target: _attr(gm, n.target) for n in gm.graph.nodes
+    attrs = {n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.nodes
              if n.op in ("get_attr", "call_module")}  # fmt: skip
+    buffers = {name for name, _ in gm.named_buffers()}
+    plain = [k for k, v in attrs.items() if isinstance(v, torch.Tensor)
+             and not isinstance(v, torch.nn.Parameter) and k not in buffers]  # fmt: skip
     attrs = {k: _Sub(portable(v)) if isinstance(v, fx.GraphModule) else v  # bodies of
              for k, v in attrs.items()}  # higher-order ops (checkpoint, autograd.Function)
-    return {"nodes": nodes, "attrs": attrs}
+    return {"nodes": nodes, "attrs": attrs, "plain": plain}
 
 
 def rebuild(job: dict) -> fx.GraphModule:
@@ -244,7 +246,14 @@ def rebuild(job: dict) -> fx.GraphModule:
         env[name] = graph.create_node(op, target, tuple(args), dict(kwargs), name=name,
                                       type_expr=type_expr)  # fmt: skip
     attrs = {k: rebuild(v.job) if isinstance(v, _Sub) else v for k, v in job["attrs"].items()}
-    return fx.GraphModule(attrs, graph)
+    gm = fx.GraphModule(attrs, graph)
+    for name in job["plain"]:  # GraphModule makes every tensor a buffer; these were not
+        owner, _, leaf = name.rpartition(".")  # (AOTAutograd asserts each buffer has a source)
+        module = gm.get_submodule(owner)
+        value = getattr(module, leaf)
+        delattr(module, leaf)
+        setattr(module, leaf, value)
+    return gm
 
 
 #: The pickle protocol of a warm-up job (``torch.save``'s default, 2, cannot pickle a
@@ -294,9 +303,8 @@ def _by_name(fn: Any) -> Any:
             return fn
     except Exception:  # noqa: BLE001 - pickle raises several types for this
         pass
-    module = str(getattr(fn, "__module__", ""))
-    paths = [f"{module}.{getattr(fn, '__name__', '')}"]
-    if module.startswith("torch._ops"):  # an operator: str() is "ns.op" or "ns.op.overload"
+    paths = [f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"]
+    if isinstance(fn, (compat.OpOverload, compat.OpOverloadPacket)):  # "ns.op[.overload]"
         paths.append(f"torch.ops.{fn}")
     for path in paths:
         try:
@@ -314,13 +322,6 @@ def _picklable(value: Any) -> Any:
         return value
     except Exception:  # noqa: BLE001 - pickle raises several types for this
         return None
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value = gm
-    for name in target.split("."):
-        value = getattr(value, name)
-    return value
 
 
 def dynamo_meta(gm: fx.GraphModule) -> dict:
@@ -345,13 +346,6 @@ def restore_dynamo_meta(gm: fx.GraphModule, meta: dict) -> fx.GraphModule:
     gm.meta["dynamo_compile_id"] = meta["compile_id"]
     if meta.get("param_sources") is not None:
         gm._param_name_to_source = meta["param_sources"]
-        # Rebuilding registers every tensor attribute as a buffer; Dynamo's constants
-        # (``_tensor_constant0``: GPT-2's mask value) were plain attributes, which
-        # AOTAutograd does not look up among the sources (it asserts every buffer is there)
-        for name in [b for b, _ in gm.named_buffers() if b not in meta["param_sources"]]:
-            owner, _, leaf = name.rpartition(".")
-            module = gm.get_submodule(owner) if owner else gm
-            setattr(module, leaf, module._buffers.pop(leaf))
     places = meta.get("placeholders", {})
     for n in gm.graph.find_nodes(op="placeholder"):
         source, tensor_dict = places.get(n.name, (None, None))
